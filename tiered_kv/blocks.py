@@ -1,0 +1,90 @@
+"""Token <-> block arithmetic and the byte layout of one block. The one place that knows both.
+
+A block holds `block_size` consecutive tokens of one sequence, K and V, for every layer. Its
+canonical (record) layout is `[num_layers, 2, num_kv_heads, block_size, head_dim]`: one layer's
+K and V are contiguous (`layer_bytes`), so a tier can read or write a single layer of a block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import LayoutError
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold `num_tokens` tokens (ceil division)."""
+    return -(-num_tokens // block_size)
+
+
+def block_span(start_token: int, end_token: int, block_size: int) -> range:
+    """Block indices (positions in a block table) touched by tokens [start_token, end_token)."""
+    if end_token <= start_token:
+        return range(0)
+    return range(start_token // block_size, (end_token - 1) // block_size + 1)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV cache the store serves: fixed for the store's lifetime once bound."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype_name: str  # "float32" | "float16" | "bfloat16" | "float64"
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype_name]
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's K and V inside one block."""
+        return 2 * self.num_kv_heads * self.block_size * self.head_dim * self.dtype_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.block_bytes // self.block_size
+
+    def record_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+
+def layout_from_model_config(model_config, block_size: int, dtype_name: str = "float32") -> KVLayout:
+    """Read layers / KV heads / head_dim from a transformers config; errors name the missing field."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+    def field(name: str, fallback: str | None = None):
+        value = getattr(text_config, name, None)
+        if value is None and fallback is not None:
+            value = getattr(text_config, fallback, None)
+        return value
+
+    num_layers = field("num_hidden_layers")
+    num_heads = field("num_attention_heads")
+    num_kv_heads = field("num_key_value_heads") or num_heads
+    head_dim = field("head_dim")
+    hidden_size = field("hidden_size")
+    if head_dim is None and hidden_size and num_heads:
+        head_dim = hidden_size // num_heads
+    for name, value in (("num_hidden_layers", num_layers), ("num_key_value_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise LayoutError(
+                f"model config field '{name}' is {value!r}; CacheBank needs a positive int "
+                f"(from num_hidden_layers, num_key_value_heads or num_attention_heads, head_dim or hidden_size/num_attention_heads)"
+            )
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        raise LayoutError(
+            f"model config field 'layer_types' contains {sorted(set(layer_types))}; CacheBank serves only 'full_attention' layers"
+        )
+    if dtype_name not in _DTYPE_BYTES:
+        raise LayoutError(f"KV dtype {dtype_name!r} is not supported; allowed: {sorted(_DTYPE_BYTES)}")
+    return KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype_name)

@@ -1,0 +1,17 @@
+"""Exceptions raised by tiered_kv. Every message names what was wrong and what is allowed."""
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names the key path, the value and what is allowed."""
+
+
+class CapacityError(RuntimeError):
+    """A request needs more blocks than all tiers together can hold. Raised before anything is written."""
+
+
+class CorruptBlockError(RuntimeError):
+    """A stored block failed its checksum. It is never served; the bank drops it so the tokens are recomputed."""
+
+
+class LayoutError(ValueError):
+    """A model config or tensor does not match what the bank/store can serve (names the field)."""

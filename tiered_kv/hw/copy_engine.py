@@ -1,0 +1,53 @@
+"""Copies between the hot device and host memory.
+
+CudaCopyEngine issues copies on a side stream, ordered against the compute stream by events,
+so block moves overlap compute. CpuCopyEngine copies in place. Both have the same methods;
+the store picks one at start.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CpuCopyEngine:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def before_host_read(self) -> None:
+        """Called before the CPU reads host memory that a copy may still be writing."""
+
+    def before_device_use(self) -> None:
+        """Called before compute uses device memory that a copy may still be writing."""
+
+
+class CudaCopyEngine:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side_stream = torch.cuda.Stream(device=device)
+        self._pending = torch.cuda.Event()
+        self._has_pending = False
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        # the copy must see everything compute wrote to src before this point
+        self.side_stream.wait_stream(compute)
+        with torch.cuda.stream(self.side_stream):
+            dst.copy_(src, non_blocking=True)
+            for tensor in (dst, src):
+                if tensor.is_cuda:
+                    tensor.record_stream(self.side_stream)
+        self._pending.record(self.side_stream)
+        self._has_pending = True
+
+    def before_host_read(self) -> None:
+        if self._has_pending:
+            self._pending.synchronize()
+
+    def before_device_use(self) -> None:
+        if self._has_pending:
+            torch.cuda.current_stream(self.device).wait_event(self._pending)
+
+
+def make_copy_engine(device: torch.device):
+    return CudaCopyEngine(device) if device.type == "cuda" else CpuCopyEngine()

@@ -1,0 +1,42 @@
+"""The one object that crosses the scheduler -> store boundary: a plan of block moves. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+HOT, WARM, COLD = 0, 1, 2
+TIER_NAMES = ("hot", "warm", "cold")
+DROPPED = -1  # destination of an eviction: the block's data is discarded (only unreferenced cached blocks)
+
+
+@dataclass(frozen=True)
+class Move:
+    block_id: int
+    src_tier: int
+    dst_tier: int  # a tier index, or DROPPED
+
+    @property
+    def is_eviction(self) -> bool:
+        return self.dst_tier == DROPPED
+
+    def __str__(self) -> str:
+        dst = "dropped" if self.is_eviction else TIER_NAMES[self.dst_tier]
+        return f"block {self.block_id}: {TIER_NAMES[self.src_tier]} -> {dst}"
+
+
+@dataclass
+class Plan:
+    """Moves to apply in order, then where each of `num_new_blocks` new blocks goes.
+
+    The store applies `moves` first (each one frees a slot in its source tier before the next
+    needs it), then allocates `new_block_tiers[i]` for the i-th new block.
+    """
+
+    moves: list[Move] = field(default_factory=list)
+    new_block_tiers: list[int] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.moves and not self.new_block_tiers
+
+    def count(self, src_tier: int, dst_tier: int) -> int:
+        return sum(1 for m in self.moves if m.src_tier == src_tier and m.dst_tier == dst_tier)

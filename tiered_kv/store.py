@@ -1,0 +1,308 @@
+"""TierStore: one budget of hot/warm/cold blocks shared by every CacheBank that uses it.
+
+It owns the tiers, their slot pools, the BlockIndex and the MemScheduler. Banks ask it for new
+blocks, hand blocks back, and read/write one layer of tokens at a time; the scheduler decides
+placement and returns a Plan, which `apply` carries out move by move (each move allocates its
+destination slot, copies, then frees its source slot, so a plan never needs spare room).
+The tiers are created when the first bank binds the store to a KV layout (model shape and
+dtype), because block size in bytes is unknown until then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .block_index import BlockIndex
+from .blocks import KVLayout
+from .config import Config, load_config
+from .errors import CapacityError, CorruptBlockError, LayoutError
+from .hw.copy_engine import make_copy_engine
+from .hw.devices import resolve_device, resolve_pinned
+from .hw.link_monitor import make_link_monitor
+from .pool import SlotPool
+from .scheduler import COLD, DROPPED, HOT, TIER_NAMES, WARM, MemScheduler, Plan
+from .tiers import ColdTier, HotTier, WarmTier
+
+
+@dataclass
+class TierRun:
+    """Tokens of one request that live in one tier: the tier's own index and where they go."""
+
+    tier: int
+    index: object  # the tier's token_index
+    positions: torch.Tensor | None  # positions within the request; None = all of them, in order
+
+
+class TierStore:
+    def __init__(self, config: Config | dict | str | None = None):
+        self.config = load_config(config if config is not None else {})
+        self.device = resolve_device(self.config.hot.device)
+        self.pinned = resolve_pinned(self.config.warm.pinned, self.device)
+        self.layout: KVLayout | None = None
+        self.dtype: torch.dtype | None = None
+        self.tiers: list = []
+        self.pools: list[SlotPool] = []
+        self.index = BlockIndex()
+        self.scheduler = MemScheduler(self.config.scheduler.policy)
+        self.copy_engine = make_copy_engine(self.device)
+        self.link_monitor = make_link_monitor(self.device)
+        self.corrupt_block_ids: set[int] = set()
+        self.bytes_moved = {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
+        self.hits = {name: 0 for name in TIER_NAMES}
+        self.misses = 0
+        self._closed = False
+        if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
+            # fail at start, not at first spill, when the cold directory is unusable
+            from .tiers.cold import prepare_directory
+
+            prepare_directory(self.config.cold.path)
+
+    # ---- binding ---------------------------------------------------------------------------
+    @property
+    def is_bound(self) -> bool:
+        return self.layout is not None
+
+    def bind(self, layout: KVLayout, dtype: torch.dtype) -> None:
+        """Preallocate every tier for `layout`. A store serves one KV layout for its lifetime."""
+        if self.layout is not None:
+            if layout != self.layout or dtype != self.dtype:
+                raise LayoutError(
+                    f"this TierStore serves KV layout {self.layout} ({self.dtype}); got {layout} ({dtype}). "
+                    "Use one store per model shape and dtype"
+                )
+            return
+        cfg = self.config
+        capacities = [
+            cfg.hot.resolve_blocks(layout.block_bytes),
+            cfg.warm.resolve_blocks(layout.block_bytes),
+            cfg.cold.resolve_blocks(layout.block_bytes),
+        ]
+        if capacities[HOT] < 1:
+            raise LayoutError(
+                f"config key 'hot.capacity': holds {capacities[HOT]} blocks of {layout.block_bytes} bytes; "
+                "allowed: at least one block"
+            )
+        tiers = [HotTier(layout, capacities[HOT], self.device, dtype), WarmTier(layout, capacities[WARM], dtype, self.pinned)]
+        if capacities[COLD] > 0:
+            tiers.append(ColdTier(layout, capacities[COLD], cfg.cold.path, cfg.cold.backend, cfg.cold.fsync))
+        else:
+            tiers.append(None)
+        self.tiers = tiers
+        self.pools = [SlotPool(n, TIER_NAMES[t]) for t, n in enumerate(capacities)]
+        self.layout, self.dtype = layout, dtype
+
+    @property
+    def capacities(self) -> list[int]:
+        return [pool.num_slots for pool in self.pools]
+
+    def free_slots(self) -> list[int]:
+        return [pool.num_free for pool in self.pools]
+
+    @property
+    def total_capacity_blocks(self) -> int:
+        return sum(self.capacities)
+
+    # ---- block lifecycle -------------------------------------------------------------------
+    def allocate(self, num_blocks: int) -> list[int]:
+        """New blocks, placed as high as possible; raises CapacityError (changing nothing) when
+        all tiers together cannot hold them."""
+        if num_blocks == 0:
+            return []
+        plan = self.scheduler.plan_new_blocks(num_blocks, self.index, self.free_slots(), self.capacities)
+        if plan is None:
+            referenced = sum(1 for _, e in self.index.items() if e.ref_count > 0)
+            raise CapacityError(
+                f"need {num_blocks} more blocks of {self.layout.block_size} tokens "
+                f"({self.layout.block_bytes} bytes each) but all tiers together hold {self.total_capacity_blocks} "
+                f"(hot {self.capacities[HOT]}, warm {self.capacities[WARM]}, cold {self.capacities[COLD]}) and "
+                f"{referenced} are in use; raise a tier's capacity or shorten the conversation"
+            )
+        self.apply(plan)
+        now = self.index.tick()
+        block_ids = []
+        for tier in plan.new_block_tiers:
+            (slot,) = self.pools[tier].allocate(1)
+            block_id = self.index.add(tier, slot)
+            self.index.touch([block_id], now)
+            block_ids.append(block_id)
+        return block_ids
+
+    def retain(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self.index.incref(block_id)
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference each. Unreferenced hashed blocks stay as reusable cache."""
+        for block_id in block_ids:
+            if self.index.decref(block_id) == 0 and self.index.get(block_id).content_hash is None:
+                self._free(block_id)
+
+    def _free(self, block_id: int) -> None:
+        entry = self.index.remove(block_id)
+        self._free_slot(entry.tier, entry.slot)
+        self.corrupt_block_ids.discard(block_id)
+
+    def _free_slot(self, tier: int, slot: int) -> None:
+        self.pools[tier].free([slot])
+        if tier == COLD:
+            self.tiers[COLD].forget([slot])
+
+    def copy_block(self, block_id: int) -> int:
+        """Copy-on-write: a new block with the same content (the caller releases the old one)."""
+        (new_id,) = self.allocate(1)
+        src, dst = self.index.get(block_id), self.index.get(new_id)
+        self._copy_data(src.tier, src.slot, dst.tier, dst.slot)
+        return new_id
+
+    # ---- content addressing ----------------------------------------------------------------
+    def register_hash(self, block_id: int, content_hash: bytes) -> int:
+        return self.index.set_hash(block_id, content_hash)
+
+    def unregister_hash(self, block_id: int) -> None:
+        self.index.clear_hash(block_id)
+
+    def lookup(self, content_hash: bytes) -> int | None:
+        block_id = self.index.lookup(content_hash)
+        return None if block_id is None or block_id in self.corrupt_block_ids else block_id
+
+    # ---- placement -------------------------------------------------------------------------
+    def promote(self, block_ids: list[int]) -> list[int]:
+        """Bring blocks up (hot first). Returns ids found corrupt on the way (never served)."""
+        plan = self.scheduler.plan_promotion(block_ids, self.index, self.free_slots(), self.capacities)
+        return self.apply(plan)
+
+    def apply(self, plan: Plan) -> list[int]:
+        """Carry out a plan's moves in order. Returns the ids of blocks that failed a checksum
+        while being moved; those are marked corrupt, keep no data, and must be recomputed."""
+        corrupt: list[int] = []
+        for move in plan.moves:
+            entry = self.index.get(move.block_id)
+            if entry.tier != move.src_tier:
+                raise RuntimeError(f"plan is stale: {move}, but block {move.block_id} is in {TIER_NAMES[entry.tier]}")
+            if move.dst_tier == DROPPED:
+                self._free(move.block_id)
+                continue
+            allocated = self.pools[move.dst_tier].allocate(1)
+            if allocated is None:
+                raise RuntimeError(f"plan is infeasible: {move} but {TIER_NAMES[move.dst_tier]} is full")
+            (dst_slot,) = allocated
+            try:
+                self._copy_data(move.src_tier, entry.slot, move.dst_tier, dst_slot)
+            except CorruptBlockError:
+                self._free_slot(move.dst_tier, dst_slot)
+                self._mark_corrupt(move.block_id)
+                corrupt.append(move.block_id)
+                continue
+            self._free_slot(move.src_tier, entry.slot)
+            self.index.move(move.block_id, move.dst_tier, dst_slot)
+        self.copy_engine.before_device_use()
+        if self.tiers and self.tiers[COLD] is not None:
+            self.tiers[COLD].flush()
+        return corrupt
+
+    def _mark_corrupt(self, block_id: int) -> None:
+        self.index.clear_hash(block_id)
+        self.corrupt_block_ids.add(block_id)
+
+    def _copy_data(self, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
+        src, dst = self.tiers[src_tier], self.tiers[dst_tier]
+        if hasattr(src, "block_view") and hasattr(dst, "block_view"):
+            self.copy_engine.copy(dst.block_view(dst_slot), src.block_view(src_slot))
+        else:
+            if src_tier != HOT:
+                self.copy_engine.before_host_read()
+            dst.write_blocks([dst_slot], src.read_blocks([src_slot]))
+        num_bytes = self.layout.block_bytes
+        self.bytes_moved[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += num_bytes
+        if HOT in (src_tier, dst_tier):
+            self.link_monitor.record(num_bytes)
+
+    # ---- per-step token access -------------------------------------------------------------
+    def map_tokens(self, block_ids: list[int], offsets: list[int]) -> list[TierRun]:
+        """Group tokens (given as block id + offset in block) by the tier holding them."""
+        tiers = [self.index.get(b).tier for b in block_ids]
+        if any(b in self.corrupt_block_ids for b in set(block_ids)):
+            bad = sorted(set(block_ids) & self.corrupt_block_ids)
+            raise CorruptBlockError(f"blocks {bad} failed their checksum and must be recomputed")
+        if all(t == tiers[0] for t in tiers):
+            slots = [self.index.get(b).slot for b in block_ids]
+            return [TierRun(tiers[0], self.tiers[tiers[0]].token_index(slots, offsets), None)]
+        runs = []
+        for tier in (HOT, WARM, COLD):
+            picked = [i for i, t in enumerate(tiers) if t == tier]
+            if not picked:
+                continue
+            slots = [self.index.get(block_ids[i]).slot for i in picked]
+            index = self.tiers[tier].token_index(slots, [offsets[i] for i in picked])
+            runs.append(TierRun(tier, index, torch.tensor(picked, dtype=torch.long, device=self.device)))
+        return runs
+
+    def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:
+        """`[2, H, num_tokens, D]` on the compute device: one layer's K/V of the mapped tokens."""
+        if len(runs) == 1 and runs[0].positions is None:
+            data = self.tiers[runs[0].tier].read_tokens(layer, runs[0].index)
+            return data if runs[0].tier == HOT else data.to(self.device, non_blocking=True)
+        out = torch.empty(
+            (2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim), dtype=self.dtype, device=self.device
+        )
+        for run in runs:
+            data = self.tiers[run.tier].read_tokens(layer, run.index)
+            out.index_copy_(2, run.positions, data.to(self.device, non_blocking=True))
+        return out
+
+    def write_layer(self, layer: int, runs: list[TierRun], kv: torch.Tensor) -> None:
+        """Store `kv` (`[2, H, t, D]`) for the mapped tokens of one layer, wherever they live."""
+        for run in runs:
+            part = kv if run.positions is None else kv.index_select(2, run.positions)
+            self.tiers[run.tier].write_tokens(layer, run.index, part)
+
+    def count_hits(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self.hits[TIER_NAMES[self.index.get(block_id).tier]] += 1
+
+    def end_step(self) -> None:
+        """After the last layer of a forward pass: make cold writes durable."""
+        if self.tiers and self.tiers[COLD] is not None:
+            self.tiers[COLD].flush()
+
+    # ---- reporting / teardown --------------------------------------------------------------
+    def stats(self) -> dict:
+        tiers = {}
+        for t, name in enumerate(TIER_NAMES):
+            if not self.is_bound:
+                tiers[name] = {"used_blocks": 0, "capacity_blocks": 0, "used_bytes": 0, "capacity_bytes": 0,
+                               "device": str(self.device) if t == HOT else "cpu" if t == WARM else "file"}
+                continue
+            pool = self.pools[t]
+            tiers[name] = {
+                "used_blocks": pool.num_used,
+                "capacity_blocks": pool.num_slots,
+                "used_bytes": pool.num_used * self.layout.block_bytes,
+                "capacity_bytes": pool.num_slots * self.layout.block_bytes,
+                "device": str(self.device) if t == HOT else ("cpu (pinned)" if self.pinned else "cpu") if t == WARM
+                else getattr(self.tiers[COLD], "file_path", "disabled"),
+            }
+        return {
+            "tiers": tiers,
+            "hits": dict(self.hits),
+            "misses": self.misses,
+            "bytes_moved": dict(self.bytes_moved),
+            "link_saturation": self.link_monitor.saturation(),
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for tier in self.tiers:
+            if tier is not None:
+                tier.close()
+        self.tiers = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

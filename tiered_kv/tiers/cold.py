@@ -1,0 +1,212 @@
+"""Cold tier: block records in one preallocated file under `cold.path` (NVMe).
+
+File `kv-<layout signature>.blocks`, mode 0600, in a directory of mode 0700, sized at start
+with posix_fallocate (a full disk fails then, not mid-chat). Slot s's record starts at
+s * record_stride_bytes (4 KiB aligned for O_DIRECT / GPUDirect Storage) and holds the block's
+`[L, 2, H, bs, D]` bytes; each layer slice has a CRC32 kept beside it, checked on every read.
+A slice that fails its check raises CorruptBlockError and is never served.
+Writes are made durable with fdatasync at `flush()` (end of each store step).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import zlib
+
+import numpy as np
+import torch
+
+from ..blocks import KVLayout
+from ..errors import ConfigError, CorruptBlockError
+from ..hw.block_io import KvikioBlockIO, PosixBlockIO, kvikio_usable
+
+ALIGN_BYTES = 4096
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": np.uint16}
+
+
+def layout_signature(layout: KVLayout) -> str:
+    text = f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}x{layout.block_size}x{layout.dtype_name}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def prepare_directory(path: str) -> None:
+    """Create `path` (0700) or check it is a writable directory; ConfigError otherwise."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        if not os.path.isdir(path):
+            raise NotADirectoryError(path)
+        if os.stat(path).st_mode & 0o077:
+            os.chmod(path, 0o700)
+        probe = os.path.join(path, f".probe-{os.getpid()}")
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"config key 'cold.path': got {path!r}, which is not a writable directory ({exc.strerror or exc}); "
+            "allowed: a directory this process can create and write"
+        ) from None
+
+
+class ColdTier:
+    name = "cold"
+
+    def __init__(self, layout: KVLayout, num_slots: int, path: str, backend: str = "auto", fsync: bool = True):
+        self.layout = layout
+        self.num_slots = num_slots
+        self.fsync = fsync
+        self.record_stride_bytes = -(-layout.block_bytes // ALIGN_BYTES) * ALIGN_BYTES
+        self._np_dtype = _NP_DTYPES[layout.dtype_name]
+        self._torch_dtype = getattr(torch, layout.dtype_name)
+        can_use_kvikio = kvikio_usable() if backend in ("auto", "kvikio") else False
+        if backend == "kvikio" and not can_use_kvikio:
+            raise ConfigError(
+                "config key 'cold.backend': got 'kvikio' but kvikio needs a CUDA device and the [gpu] extra "
+                "(cupy-cuda12x, kvikio-cu12); allowed here: 'auto', 'posix'"
+            )
+        use_kvikio = can_use_kvikio
+        prepare_directory(path)
+        self.file_path = os.path.join(path, f"kv-{layout_signature(layout)}.blocks")
+        self._dirty = False
+        self._fd = None
+        self._fd = self._open_and_size()
+        self.io = KvikioBlockIO(self._fd, self.file_path) if use_kvikio else PosixBlockIO(self._fd)
+        # CRC32 of each layer slice of each slot, and whether that slice holds written data
+        self.crc32 = np.zeros((num_slots, layout.num_layers), dtype=np.uint32)
+        self.valid = np.zeros((num_slots, layout.num_layers), dtype=bool)
+        self._layer_buffer = np.empty((2, layout.num_kv_heads, layout.block_size, layout.head_dim), self._np_dtype)
+
+    # ---- file lifecycle --------------------------------------------------------------------
+    def _open_and_size(self) -> int:
+        try:
+            fd = os.open(self.file_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise ConfigError(f"config key 'cold.path': cannot open {self.file_path!r}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ConfigError(
+                f"config key 'cold.path': {self.file_path!r} is in use by another process; "
+                "allowed: a cold.path no other running store uses"
+            ) from None
+        os.fchmod(fd, 0o600)
+        size_bytes = self.num_slots * self.record_stride_bytes
+        if size_bytes:
+            try:
+                os.posix_fallocate(fd, 0, size_bytes)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise ConfigError(
+                        f"config key 'cold.capacity': {size_bytes} bytes do not fit on the disk of {self.file_path!r} "
+                        f"({exc.strerror}); allowed: at most the free space there"
+                    ) from None
+                raise
+        return fd
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.layout.block_bytes
+
+    def _offset(self, slot: int, layer: int = 0) -> int:
+        return slot * self.record_stride_bytes + layer * self.layout.layer_bytes
+
+    # ---- whole blocks ----------------------------------------------------------------------
+    def read_blocks(self, slots: list[int]) -> torch.Tensor:
+        out = np.empty((len(slots), *self.layout.record_shape()), dtype=self._np_dtype)
+        for i, slot in enumerate(slots):
+            if self.valid[slot].all():
+                self.io.read_into(out[i], self._offset(slot))
+                for layer in range(self.layout.num_layers):
+                    self._check(slot, layer, out[i, layer])
+            else:
+                for layer in range(self.layout.num_layers):
+                    self._read_layer_slice(slot, layer, out[i, layer])
+        return self._to_torch(out)
+
+    def write_blocks(self, slots: list[int], data: torch.Tensor) -> None:
+        host = self._to_numpy(data)
+        for i, slot in enumerate(slots):
+            record = host[i]
+            self.io.write_from(record, self._offset(slot))
+            for layer in range(self.layout.num_layers):
+                self.crc32[slot, layer] = zlib.crc32(record[layer])
+            self.valid[slot] = True
+        self._dirty = True
+
+    def forget(self, slots: list[int]) -> None:
+        """Slots were freed: their bytes are no longer a block."""
+        self.valid[slots] = False
+
+    # ---- tokens of one layer ---------------------------------------------------------------
+    def token_index(self, slots: list[int], offsets: list[int]):
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for position, (slot, offset) in enumerate(zip(slots, offsets)):
+            groups.setdefault(slot, []).append((position, offset))
+        return len(slots), groups
+
+    def read_tokens(self, layer: int, index) -> torch.Tensor:
+        num_tokens, groups = index
+        out = np.empty((2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim), dtype=self._np_dtype)
+        for slot, items in groups.items():
+            self._read_layer_slice(slot, layer, self._layer_buffer)
+            positions = [p for p, _ in items]
+            offsets = [o for _, o in items]
+            out[:, :, positions] = self._layer_buffer[:, :, offsets]
+        return self._to_torch(out)
+
+    def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
+        _, groups = index
+        host = self._to_numpy(kv)
+        for slot, items in groups.items():
+            self._read_layer_slice(slot, layer, self._layer_buffer)  # read-modify-write of one slice
+            positions = [p for p, _ in items]
+            offsets = [o for _, o in items]
+            self._layer_buffer[:, :, offsets] = host[:, :, positions]
+            self.io.write_from(self._layer_buffer, self._offset(slot, layer))
+            self.crc32[slot, layer] = zlib.crc32(self._layer_buffer)
+            self.valid[slot, layer] = True
+        self._dirty = True
+
+    def _read_layer_slice(self, slot: int, layer: int, out: np.ndarray) -> None:
+        if not self.valid[slot, layer]:
+            out.fill(0)
+            return
+        self.io.read_into(out, self._offset(slot, layer))
+        self._check(slot, layer, out)
+
+    def _check(self, slot: int, layer: int, data: np.ndarray) -> None:
+        if zlib.crc32(data) != self.crc32[slot, layer]:
+            raise CorruptBlockError(f"cold tier slot {slot} layer {layer} failed its CRC32 check in {self.file_path}")
+
+    # ---- conversions -----------------------------------------------------------------------
+    def _to_numpy(self, tensor: torch.Tensor) -> np.ndarray:
+        host = tensor.detach().to("cpu").contiguous()
+        if self.layout.dtype_name == "bfloat16":
+            host = host.view(torch.uint16)
+        return host.numpy()
+
+    def _to_torch(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor.view(torch.bfloat16) if self.layout.dtype_name == "bfloat16" else tensor
+
+    # ---- durability ------------------------------------------------------------------------
+    def flush(self) -> None:
+        if self._dirty and self.fsync:
+            self.io.sync()
+        self._dirty = False
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.flush()
+        finally:
+            if hasattr(self, "io") and hasattr(self.io, "close"):
+                self.io.close()
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,70 @@
+"""Hot tier: paged blocks on the compute device (HBM under CUDA, RAM on cpu).
+
+Slab layout `[L, 2, H, num_slots * block_size, D]`: within a layer, slot s holds tokens
+s*bs .. s*bs+bs-1 along the token axis. A sequence whose blocks sit in consecutive slots is
+therefore one contiguous token range, and attention reads it as a view with no copy; other
+sequences are gathered with one index_select per layer (the same traffic as DynamicCache's cat).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..blocks import KVLayout
+
+
+class HotTier:
+    name = "hot"
+
+    def __init__(self, layout: KVLayout, num_slots: int, device: torch.device, dtype: torch.dtype):
+        self.layout = layout
+        self.num_slots = num_slots
+        self.device = device
+        bs = layout.block_size
+        self.slab = torch.zeros(
+            (layout.num_layers, 2, layout.num_kv_heads, num_slots * bs, layout.head_dim), dtype=dtype, device=device
+        )
+        self._blocks = self.slab.view(layout.num_layers, 2, layout.num_kv_heads, num_slots, bs, layout.head_dim)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.layout.block_bytes
+
+    def _slot_tensor(self, slots: list[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def read_blocks(self, slots: list[int]) -> torch.Tensor:
+        return self._blocks.index_select(3, self._slot_tensor(slots)).permute(3, 0, 1, 2, 4, 5)
+
+    def write_blocks(self, slots: list[int], data: torch.Tensor) -> None:
+        data = data.to(self.device, non_blocking=True)
+        self._blocks.index_copy_(3, self._slot_tensor(slots), data.permute(1, 2, 3, 0, 4, 5))
+
+    def block_view(self, slot: int) -> torch.Tensor:
+        """Slot `slot` as a (strided) `[L, 2, H, bs, D]` view, for async single-block copies."""
+        return self._blocks[:, :, :, slot]
+
+    def token_index(self, slots: list[int], offsets: list[int]):
+        """A slice when the tokens are one contiguous run of the slab, else a LongTensor."""
+        bs = self.layout.block_size
+        flat = [s * bs + o for s, o in zip(slots, offsets)]
+        if flat and flat[-1] - flat[0] == len(flat) - 1 and all(b - a == 1 for a, b in zip(flat, flat[1:])):
+            return slice(flat[0], flat[-1] + 1)
+        return torch.tensor(flat, dtype=torch.long, device=self.device)
+
+    def read_tokens(self, layer: int, index) -> torch.Tensor:
+        if isinstance(index, slice):
+            return self.slab[layer, :, :, index]
+        return self.slab[layer].index_select(2, index)
+
+    def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
+        if isinstance(index, slice):
+            self.slab[layer, :, :, index].copy_(kv)
+        else:
+            self.slab[layer].index_copy_(2, index, kv)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.slab = self._blocks = None
