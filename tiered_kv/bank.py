@@ -106,9 +106,18 @@ class CacheBank(Cache):
         step = self._step
         kv_new = torch.stack((key_states, value_states))  # [2, B, H, t, D]
         rows = []
-        for row in range(kv_new.shape[1]):
-            self.store.write_layer(layer_idx, step.write_runs[row], kv_new[:, row])
-            rows.append(self.store.read_layer(layer_idx, step.read_runs[row], step.num_tokens))
+        try:
+            for row in range(kv_new.shape[1]):
+                self.store.write_layer(layer_idx, step.write_runs[row], kv_new[:, row])
+                rows.append(self.store.read_layer(layer_idx, step.read_runs[row], step.num_tokens))
+        except CorruptBlockError as error:
+            # never serve it: drop the bank back to before the bad block so a retry recomputes it
+            self._step = None
+            first_bad = self._truncate_before_corrupt(step.num_tokens - step.num_new_tokens)
+            raise CorruptBlockError(
+                f"{error}; the bank dropped everything from token {first_bad} on. "
+                "Call generate again with the whole conversation to recompute it"
+            ) from error
         kv = rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, dim=1)
         if layer_idx == self.num_layers - 1:
             self._end_step()
@@ -290,13 +299,20 @@ class CacheBank(Cache):
         # most recent blocks first: they are the likeliest to be read again soon
         order = [table[i] for i in range(max(map(len, self._tables)) - 1, -1, -1) for table in self._tables if i < len(table)]
         self.store.promote(order)
-        bad = set(self.store.corrupt_block_ids)
+        self.store.verify(blocks)  # whatever stays cold is checked now, not mid-forward
+        return self._truncate_before_corrupt(self._seq_len)
+
+    def _truncate_before_corrupt(self, num_valid_tokens: int) -> int | None:
+        """Truncate every row before its first corrupt block (and to at most `num_valid_tokens`).
+        Returns the first dropped token position when a corrupt block was found, else None."""
+        bad = self.store.corrupt_block_ids
         first_bad = min((i for table in self._tables for i, b in enumerate(table) if b in bad), default=None)
-        if first_bad is None:
-            return None
-        position = first_bad * self.config.block_size
-        self.truncate(min(position, self._seq_len))
-        return position
+        keep = min(self._seq_len, num_valid_tokens)
+        if first_bad is not None:
+            keep = min(keep, first_bad * self.config.block_size)
+        if keep < self._seq_len:
+            self.truncate(keep)
+        return None if first_bad is None else keep
 
     # ---- chat-level API --------------------------------------------------------------------
     def attach(self, ids) -> int:

@@ -202,6 +202,21 @@ class TierStore:
             self.tiers[COLD].flush()
         return corrupt
 
+    def verify(self, block_ids: list[int]) -> list[int]:
+        """Check the cold blocks among `block_ids` against their checksums (the only tier whose
+        bytes can rot outside this process). Failing ones are marked corrupt and returned."""
+        if not self.tiers or self.tiers[COLD] is None:
+            return []
+        cold_ids = [b for b in block_ids if self.index.get(b).tier == COLD and b not in self.corrupt_block_ids]
+        by_slot = {self.index.get(b).slot: b for b in cold_ids}
+        bad = [by_slot[slot] for slot in self.tiers[COLD].verify(list(by_slot))]
+        for block_id in bad:
+            self._mark_corrupt(block_id)
+        return bad
+
+    def _block_at(self, tier: int, slot: int) -> int | None:
+        return next((b for b, e in self.index.items() if e.tier == tier and e.slot == slot), None)
+
     def _mark_corrupt(self, block_id: int) -> None:
         self.index.clear_hash(block_id)
         self.corrupt_block_ids.add(block_id)
@@ -215,6 +230,8 @@ class TierStore:
                 self.copy_engine.before_host_read()
             dst.write_blocks([dst_slot], src.read_blocks([src_slot]))
         num_bytes = self.layout.block_bytes
+        if src_tier == dst_tier:  # a copy-on-write inside one tier moves nothing between tiers
+            return
         self.bytes_moved[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += num_bytes
         if HOT in (src_tier, dst_tier):
             self.link_monitor.record(num_bytes)
@@ -242,15 +259,25 @@ class TierStore:
     def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:
         """`[2, H, num_tokens, D]` on the compute device: one layer's K/V of the mapped tokens."""
         if len(runs) == 1 and runs[0].positions is None:
-            data = self.tiers[runs[0].tier].read_tokens(layer, runs[0].index)
+            data = self._read_tokens(runs[0].tier, layer, runs[0].index)
             return data if runs[0].tier == HOT else data.to(self.device, non_blocking=True)
         out = torch.empty(
             (2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim), dtype=self.dtype, device=self.device
         )
         for run in runs:
-            data = self.tiers[run.tier].read_tokens(layer, run.index)
+            data = self._read_tokens(run.tier, layer, run.index)
             out.index_copy_(2, run.positions, data.to(self.device, non_blocking=True))
         return out
+
+    def _read_tokens(self, tier: int, layer: int, index) -> torch.Tensor:
+        try:
+            return self.tiers[tier].read_tokens(layer, index)
+        except CorruptBlockError as error:
+            block_id = self._block_at(tier, getattr(error, "slot", -1))
+            if block_id is not None:
+                self._mark_corrupt(block_id)
+                error.block_id = block_id
+            raise
 
     def write_layer(self, layer: int, runs: list[TierRun], kv: torch.Tensor) -> None:
         """Store `kv` (`[2, H, t, D]`) for the mapped tokens of one layer, wherever they live."""

@@ -181,7 +181,20 @@ class ColdTier:
 
     def _check(self, slot: int, layer: int, data: np.ndarray) -> None:
         if zlib.crc32(data) != self.crc32[slot, layer]:
-            raise CorruptBlockError(f"cold tier slot {slot} layer {layer} failed its CRC32 check in {self.file_path}")
+            error = CorruptBlockError(f"cold tier slot {slot} layer {layer} failed its CRC32 check in {self.file_path}")
+            error.slot = slot
+            raise error
+
+    def verify(self, slots: list[int]) -> list[int]:
+        """Read each slot back and check every layer's CRC32. Returns the slots that fail."""
+        bad = []
+        for slot in slots:
+            try:
+                for layer in range(self.layout.num_layers):
+                    self._read_layer_slice(slot, layer, self._layer_buffer)
+            except CorruptBlockError:
+                bad.append(slot)
+        return bad
 
     # ---- conversions -----------------------------------------------------------------------
     def _to_numpy(self, tensor: torch.Tensor) -> np.ndarray:

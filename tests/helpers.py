@@ -1,0 +1,48 @@
+"""Shared builders for the equivalence tests: tiny random-weight models and tier configs."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+VOCAB = 256
+BLOCK_SIZE = 4
+
+
+def tiny_model(arch: str):
+    torch.manual_seed(1234)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    else:
+        raise ValueError(arch)
+    model.eval()
+    # random weights emit EOS at random; keep every run the full length so turns are comparable
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def tier_config(kind: str, cold_dir, block_size: int = BLOCK_SIZE) -> dict:
+    """all_hot: everything fits in hot. forces_warm: hot smaller than one turn.
+    forces_cold: hot+warm smaller than the conversation."""
+    sizes = {
+        "all_hot": (256, 0, 0),
+        "forces_warm": (2, 256, 0),
+        "forces_cold": (2, 3, 256),
+    }[kind]
+    return {
+        "block_size": block_size,
+        "hot": {"device": "cpu", "capacity_blocks": sizes[0]},
+        "warm": {"capacity_blocks": sizes[1]},
+        "cold": {"capacity_blocks": sizes[2], "path": str(cold_dir)},
+    }
+
+
+TIER_KINDS = ("all_hot", "forces_warm", "forces_cold")

@@ -1,0 +1,201 @@
+"""CacheBank behaviour beyond token equivalence: errors, cropping, batch ops, attach, corruption."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import tiered_kv
+from helpers import VOCAB, tier_config, tiny_model
+
+
+def _ids(seed: int, length: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_conversation_larger_than_all_tiers_fails_before_writing(tmp_path):
+    model = tiny_model("llama")
+    config = tier_config("forces_cold", tmp_path)
+    config["cold"]["capacity_blocks"] = 4  # 2 + 3 + 4 = 9 blocks of 4 tokens = 36 tokens in all
+    bank = tiered_kv.CacheBank(model.config, config)
+    out = model.generate(_ids(1, 10), cache=bank, max_new_tokens=4, do_sample=False)
+    before = bank.stats()
+    with pytest.raises(tiered_kv.CapacityError, match=r"needs 11 blocks .* hold 9 blocks"):
+        model.generate(torch.cat([out, _ids(2, 30)], 1), cache=bank, max_new_tokens=4, do_sample=False)
+    after = bank.stats()
+    assert after["seq_tokens"] == before["seq_tokens"] == 13
+    assert after["tiers"] == before["tiers"]
+    # the bank still works for a conversation that fits
+    again = model.generate(torch.cat([out, _ids(3, 5)], 1), cache=bank, max_new_tokens=3, do_sample=False)
+    reference = model.generate(torch.cat([out, _ids(3, 5)], 1), max_new_tokens=3, do_sample=False)
+    assert torch.equal(again, reference)
+    bank.close()
+
+
+def test_unwritable_cold_path_is_a_config_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    model = tiny_model("llama")
+    with pytest.raises(tiered_kv.ConfigError, match="cold.path"):
+        tiered_kv.CacheBank(model.config, tier_config("forces_cold", blocker / "cold"))
+
+
+def test_model_config_without_kv_head_info_is_rejected():
+    config = SimpleNamespace(num_hidden_layers=2, hidden_size=64)  # no head counts at all
+    with pytest.raises(tiered_kv.LayoutError, match="num_key_value_heads"):
+        tiered_kv.CacheBank(config, {"cold": {"capacity_blocks": 0, "path": "/tmp"}})
+
+
+def test_model_on_other_device_than_hot_tier_is_rejected(tmp_path):
+    model = tiny_model("llama")
+    bank = tiered_kv.CacheBank(model.config, tier_config("all_hot", tmp_path))
+    k = torch.zeros(1, 2, 3, 16, dtype=torch.float64)
+    bank.update(k, k, 0)  # float64 binds the store to float64
+    with pytest.raises(tiered_kv.LayoutError, match="serves KV layout"):
+        other = tiered_kv.CacheBank(model.config, store=bank.store)
+        other.update(k.float(), k.float(), 0)
+
+
+@pytest.mark.parametrize("kind", ("all_hot", "forces_warm", "forces_cold"))
+def test_crop_and_reset_match_dynamic_cache(kind, tmp_path):
+    model = tiny_model("llama")
+    bank = tiered_kv.CacheBank(model.config, tier_config(kind, tmp_path))
+    dynamic = DynamicCache(config=model.config)
+    ids = _ids(4, 17)
+    model(ids, past_key_values=bank)
+    model(ids, past_key_values=dynamic)
+    bank.crop(-6)
+    dynamic.crop(-6)
+    assert bank.get_seq_length() == dynamic.get_seq_length() == 11
+    step = _ids(5, 3)
+    logits_bank = model(step, past_key_values=bank).logits
+    logits_dyn = model(step, past_key_values=dynamic).logits
+    assert torch.allclose(logits_bank, logits_dyn, atol=1e-5)
+    with pytest.raises(ValueError, match="negative"):
+        bank.crop(3)
+    used_before = bank.stats()["tiers"]["hot"]["used_blocks"]
+    assert used_before > 0
+    bank.reset()
+    stats = bank.stats()
+    assert bank.get_seq_length() == 0
+    assert sum(t["used_blocks"] for t in stats["tiers"].values()) == 0
+    bank.close()
+
+
+def test_batch_select_and_repeat_interleave_match_dynamic_cache(tmp_path):
+    model = tiny_model("llama")
+    bank = tiered_kv.CacheBank(model.config, tier_config("forces_warm", tmp_path))
+    dynamic = DynamicCache(config=model.config)
+    ids = torch.cat([_ids(6, 9), _ids(7, 9)], 0)
+    model(ids, past_key_values=bank)
+    model(ids, past_key_values=dynamic)
+    bank.batch_repeat_interleave(2)
+    dynamic.batch_repeat_interleave(2)
+    bank.batch_select_indices(torch.tensor([3, 0, 1]))
+    dynamic.batch_select_indices(torch.tensor([3, 0, 1]))
+    step = torch.cat([_ids(8, 2), _ids(9, 2), _ids(10, 2)], 0)
+    assert torch.allclose(model(step, past_key_values=bank).logits, model(step, past_key_values=dynamic).logits,
+                          atol=1e-5)
+    bank.close()
+
+
+def test_all_hot_contiguous_blocks_are_returned_without_copy(tmp_path):
+    model = tiny_model("llama")
+    bank = tiered_kv.CacheBank(model.config, tier_config("all_hot", tmp_path))
+    k = torch.randn(1, 2, 10, 16)
+    keys, values = bank.update(k, k + 1, 0)
+    slab = bank.store.tiers[0].slab
+    assert keys.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
+    assert torch.equal(keys, k) and torch.equal(values, k + 1)
+    bank.close()
+
+
+def test_attach_crops_to_the_matching_prefix(tmp_path):
+    model = tiny_model("llama")
+    bank = tiered_kv.CacheBank(model.config, tier_config("forces_warm", tmp_path))
+    ids = _ids(12, 20)
+    out = model.generate(ids, cache=bank, max_new_tokens=5, do_sample=False)
+    assert bank.attach(out) == out.shape[1] - 1  # everything but the last token, which must be computed
+    edited = out.clone()
+    edited[0, 9] = (edited[0, 9] + 1) % VOCAB
+    assert bank.attach(edited) == 9
+    follow = model.generate(edited, cache=bank, max_new_tokens=4, do_sample=False)
+    assert torch.equal(follow, model.generate(edited, max_new_tokens=4, do_sample=False))
+    bank.close()
+
+
+def test_attach_reuses_blocks_of_another_bank_by_content(tmp_path):
+    model = tiny_model("llama")
+    store = tiered_kv.TierStore(tier_config("forces_cold", tmp_path))
+    first = tiered_kv.CacheBank(model.config, store=store)
+    ids = _ids(13, 22)
+    first.attach(ids)
+    out = model.generate(ids, cache=first, max_new_tokens=6, do_sample=False)
+    first.attach(out)  # hashes the generated tokens' blocks too
+    first.close()  # blocks stay in the store as cache
+    second = tiered_kv.CacheBank(model.config, store=store)
+    follow_ids = torch.cat([out, _ids(14, 3)], 1)
+    reused = second.attach(follow_ids)
+    assert reused == (out.shape[1] - 1) // 4 * 4  # whole blocks only
+    follow = model.generate(follow_ids, cache=second, max_new_tokens=5, do_sample=False)
+    assert torch.equal(follow, model.generate(follow_ids, max_new_tokens=5, do_sample=False))
+    second.close()
+    store.close()
+
+
+def test_corrupted_cold_block_is_recomputed_not_served(tmp_path):
+    model = tiny_model("llama")
+    config = tier_config("forces_cold", tmp_path)
+    bank = tiered_kv.CacheBank(model.config, config)
+    ids = _ids(15, 30)
+    bank.attach(ids)
+    out = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
+    store = bank.store
+    cold = store.tiers[2]
+    cold_blocks = [b for b in bank._tables[0] if store.index.get(b).tier == 2]
+    assert cold_blocks, "the config must have pushed history to cold"
+    victim = cold_blocks[0]
+    position = bank._tables[0].index(victim)
+    with open(cold.file_path, "r+b") as f:  # flip one byte of the victim's record on disk
+        offset = store.index.get(victim).slot * cold.record_stride_bytes + 5
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+    follow_ids = torch.cat([out, _ids(16, 3)], 1)
+    reused = bank.attach(follow_ids)
+    assert reused == position * 4  # everything before the corrupt block, nothing after
+    follow = model.generate(follow_ids, cache=bank, max_new_tokens=5, do_sample=False)
+    assert torch.equal(follow, model.generate(follow_ids, max_new_tokens=5, do_sample=False))
+    bank.close()
+
+
+def test_stats_report_every_tier(tmp_path):
+    model = tiny_model("llama")
+    bank = tiered_kv.CacheBank(model.config, tier_config("forces_cold", tmp_path))
+    model.generate(_ids(17, 30), cache=bank, max_new_tokens=3, do_sample=False)
+    stats = bank.stats()
+    block_bytes = 2 * 2 * 2 * 4 * 16 * 4  # layers x K/V x kv heads x block tokens x head_dim x fp32
+    assert stats["tiers"]["hot"] == {"used_blocks": 2, "capacity_blocks": 2, "used_bytes": 2 * block_bytes,
+                                     "capacity_bytes": 2 * block_bytes, "device": "cpu"}
+    assert stats["tiers"]["warm"]["used_blocks"] == 3
+    assert stats["tiers"]["cold"]["used_blocks"] == 3  # 32 tokens = 8 blocks
+    assert stats["bank_blocks"] == {"hot": 2, "warm": 3, "cold": 3}
+    assert stats["seq_tokens"] == 32
+    # a prefill larger than hot+warm places its new blocks straight into the lower tiers
+    assert all(moved == 0 for moved in stats["bytes_moved"].values())
+    # hits count blocks read per forward pass by tier: 3 passes over 2 hot, 3 warm, 3 cold blocks
+    assert stats["hits"] == {"hot": 6, "warm": 9, "cold": 9}
+    # the next turn's new blocks take hot: the LRU history moves down a tier each
+    model.generate(torch.cat([_ids(17, 30), _ids(18, 9)], 1)[:, :41], cache=bank, max_new_tokens=2, do_sample=False)
+    stats = bank.stats()
+    assert stats["bytes_moved"]["hot->warm"] == 2 * block_bytes
+    assert stats["bytes_moved"]["warm->cold"] == 2 * block_bytes
+    assert stats["bank_blocks"] == {"hot": 2, "warm": 3, "cold": 5}
+    bank.close()
