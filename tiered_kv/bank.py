@@ -386,7 +386,9 @@ class CacheBank(Cache):
         per_tier = {name: 0 for name in TIER_NAMES}
         for table in self._tables:
             for block_id in table:
-                per_tier[TIER_NAMES[self.store.index.get(block_id).tier]] += 1
+                tier = self.store.index.get(block_id).tier
+                if tier >= 0:
+                    per_tier[TIER_NAMES[tier]] += 1
         out["bank_blocks"] = per_tier
         out["seq_tokens"] = self._seq_len
         return out

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 @dataclass
 class BlockEntry:
-    tier: int
+    tier: int  # HOT/WARM/COLD, or -1 while the block is corrupt and holds no slot
     slot: int
     ref_count: int = 1
     last_access: int = 0
@@ -59,7 +59,7 @@ class BlockIndex:
     def touch(self, block_ids, now: int | None = None) -> None:
         now = self.tick() if now is None else now
         for block_id in block_ids:
-            self._entries[block_id].last_access = now
+            self._entry(block_id).last_access = now
 
     def move(self, block_id: int, tier: int, slot: int) -> None:
         entry = self._entry(block_id)
@@ -88,6 +88,8 @@ class BlockIndex:
         owner = self._by_hash.get(content_hash)
         if owner is not None and owner != block_id:
             return owner
+        if entry.content_hash is not None and entry.content_hash != content_hash:
+            self.clear_hash(block_id)
         entry.content_hash = content_hash
         self._by_hash[content_hash] = block_id
         return block_id

@@ -40,11 +40,14 @@ class SlotPool:
 
     def free(self, slots: list[int]) -> None:
         """Return slots to the pool (the last one given is the first handed out again)."""
-        for slot in slots:
+        seen = set()
+        for slot in slots:  # validate all first: a bad call frees nothing
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"{self.name}: slot {slot} is out of range 0..{self.num_slots - 1}")
-            if not self._in_use[slot]:
+            if not self._in_use[slot] or slot in seen:
                 raise ValueError(f"{self.name}: double free of slot {slot}")
+            seen.add(slot)
+        for slot in slots:
             self._in_use[slot] = 0
             self._free_stack.append(slot)
 

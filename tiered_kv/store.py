@@ -141,7 +141,8 @@ class TierStore:
 
     def _free(self, block_id: int) -> None:
         entry = self.index.remove(block_id)
-        self._free_slot(entry.tier, entry.slot)
+        if entry.tier >= 0:  # a corrupt block already gave its slot back
+            self._free_slot(entry.tier, entry.slot)
         self.corrupt_block_ids.discard(block_id)
 
     def _free_slot(self, tier: int, slot: int) -> None:
@@ -151,6 +152,8 @@ class TierStore:
 
     def copy_block(self, block_id: int) -> int:
         """Copy-on-write: a new block with the same content (the caller releases the old one)."""
+        if block_id in self.corrupt_block_ids:
+            raise CorruptBlockError(f"block {block_id} failed its checksum; it cannot be copied")
         (new_id,) = self.allocate(1)
         src, dst = self.index.get(block_id), self.index.get(new_id)
         self._copy_data(src.tier, src.slot, dst.tier, dst.slot)
@@ -192,7 +195,7 @@ class TierStore:
                 self._copy_data(move.src_tier, entry.slot, move.dst_tier, dst_slot)
             except CorruptBlockError:
                 self._free_slot(move.dst_tier, dst_slot)
-                self._mark_corrupt(move.block_id)
+                self._mark_corrupt(move.block_id)  # frees its source slot, as the plan expects
                 corrupt.append(move.block_id)
                 continue
             self._free_slot(move.src_tier, entry.slot)
@@ -218,8 +221,13 @@ class TierStore:
         return next((b for b, e in self.index.items() if e.tier == tier and e.slot == slot), None)
 
     def _mark_corrupt(self, block_id: int) -> None:
+        """A corrupt block keeps its id (banks still list it) but no hash, no data and no slot."""
+        entry = self.index.get(block_id)
         self.index.clear_hash(block_id)
         self.corrupt_block_ids.add(block_id)
+        if entry.tier >= 0:
+            self._free_slot(entry.tier, entry.slot)
+            self.index.move(block_id, -1, -1)
 
     def _copy_data(self, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
         src, dst = self.tiers[src_tier], self.tiers[dst_tier]
@@ -287,7 +295,9 @@ class TierStore:
 
     def count_hits(self, block_ids: list[int]) -> None:
         for block_id in block_ids:
-            self.hits[TIER_NAMES[self.index.get(block_id).tier]] += 1
+            tier = self.index.get(block_id).tier
+            if tier >= 0:
+                self.hits[TIER_NAMES[tier]] += 1
 
     def end_step(self) -> None:
         """After the last layer of a forward pass: make cold writes durable."""
@@ -298,7 +308,7 @@ class TierStore:
     def stats(self) -> dict:
         tiers = {}
         for t, name in enumerate(TIER_NAMES):
-            if not self.is_bound:
+            if not self.is_bound or self._closed:
                 tiers[name] = {"used_blocks": 0, "capacity_blocks": 0, "used_bytes": 0, "capacity_bytes": 0,
                                "device": str(self.device) if t == HOT else "cpu" if t == WARM else "file"}
                 continue

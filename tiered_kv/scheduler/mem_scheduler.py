@@ -30,7 +30,7 @@ class _Simulation:
         # per tier: sorted list of (last_access, block_id) for blocks that may be moved
         self.queues: list[list[tuple[int, int]]] = [[] for _ in range(NUM_TIERS)]
         for block_id, entry in index.items():
-            if block_id not in protect:
+            if block_id not in protect and entry.tier >= 0:  # corrupt blocks hold no slot
                 self.queues[entry.tier].append((entry.last_access, block_id))
         for queue in self.queues:
             queue.sort()
@@ -54,11 +54,13 @@ class _Simulation:
                 self._record(Move(victim, tier, below))
                 self.free[below] -= 1
                 bisect.insort(self.queues[below], (last_access, victim))
-            elif self.index.get(victim).ref_count == 0:
-                queue.pop(0)
-                self._record(Move(victim, tier, DROPPED))
             else:
-                return False
+                # nothing can go down: drop the least recently used unreferenced (cached) block
+                droppable = next((i for i, (_, b) in enumerate(queue) if self.index.get(b).ref_count == 0), None)
+                if droppable is None:
+                    return False
+                _, dropped = queue.pop(droppable)
+                self._record(Move(dropped, tier, DROPPED))
             self.free[tier] += 1
         return True
 
@@ -116,7 +118,7 @@ class MemScheduler:
         sim = _Simulation(index, free_slots, capacities, protect=wanted)
         for block_id in block_ids:
             tier = sim.tier(block_id)
-            if tier == HOT:
+            if tier == HOT or tier < 0:  # already hot, or corrupt (no data to move)
                 continue
             if capacities[HOT] > 0 and sim.make_room(HOT, 1):
                 sim.move_up(block_id, tier, HOT)

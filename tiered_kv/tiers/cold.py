@@ -100,6 +100,8 @@ class ColdTier:
                 os.posix_fallocate(fd, 0, size_bytes)
             except OSError as exc:
                 os.close(fd)
+                if os.path.getsize(self.file_path) == 0:
+                    os.unlink(self.file_path)  # leave nothing behind for a store that never started
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                     raise ConfigError(
                         f"config key 'cold.capacity': {size_bytes} bytes do not fit on the disk of {self.file_path!r} "

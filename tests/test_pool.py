@@ -1,0 +1,224 @@
+"""SlotPool and BlockIndex: pure-id policy code, tested exactly on CPU (exact ids, exact order)."""
+import pytest
+
+from tiered_kv.block_index import BlockEntry, BlockIndex
+from tiered_kv.pool import SlotPool
+
+# --- SlotPool --------------------------------------------------------------------------------
+
+
+def test_fresh_pool_hands_out_ascending_slots():
+    pool = SlotPool(11, "hot")
+    assert pool.free_order() == list(range(11))
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(2) == [3, 4]
+    assert pool.free_order() == [5, 6, 7, 8, 9, 10]
+    assert (pool.num_slots, pool.num_used, pool.num_free) == (11, 5, 6)
+
+
+def test_freed_slots_are_reused_last_in_first_out():
+    pool = SlotPool(11)
+    assert pool.allocate(5) == [0, 1, 2, 3, 4]
+    pool.free([1, 3])
+    assert pool.free_order() == [3, 1, 5, 6, 7, 8, 9, 10]
+    pool.free([0])
+    assert pool.free_order() == [0, 3, 1, 5, 6, 7, 8, 9, 10]
+    assert pool.allocate(4) == [0, 3, 1, 5]
+    assert pool.free_order() == [6, 7, 8, 9, 10]
+    assert (pool.num_used, pool.num_free) == (6, 5)
+
+
+def test_allocate_is_all_or_nothing():
+    pool = SlotPool(4)
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.free([1])
+    before = pool.free_order()
+    assert before == [1, 3]
+    assert pool.can_allocate(2) is True
+    assert pool.can_allocate(3) is False
+    assert pool.allocate(3) is None
+    assert pool.free_order() == before
+    assert (pool.num_used, pool.num_free) == (2, 2)
+    assert [pool.is_used(s) for s in range(4)] == [True, False, True, False]
+
+
+def test_allocate_zero_and_whole_pool():
+    pool = SlotPool(3)
+    assert pool.allocate(0) == []
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.free_order() == []
+    assert pool.allocate(1) is None
+    assert pool.can_allocate(0) is True
+
+
+def test_empty_pool_hands_out_nothing():
+    pool = SlotPool(0, "warm")
+    assert (pool.num_slots, pool.num_used, pool.num_free) == (0, 0, 0)
+    assert pool.allocate(1) is None
+    assert pool.allocate(0) == []
+
+
+def test_negative_size_raises_naming_the_pool():
+    with pytest.raises(ValueError, match=r"cold: num_slots must be >= 0, got -1"):
+        SlotPool(-1, "cold")
+
+
+def test_double_free_raises_naming_the_slot():
+    pool = SlotPool(4, "hot")
+    pool.allocate(2)
+    pool.free([1])
+    with pytest.raises(ValueError, match=r"^hot: double free of slot 1$"):
+        pool.free([1])
+    with pytest.raises(ValueError, match=r"^hot: double free of slot 3$"):
+        pool.free([3])  # never handed out
+    assert pool.free_order() == [1, 2, 3]
+    assert pool.num_used == 1
+
+
+@pytest.mark.parametrize("slot", [4, 100, -1])
+def test_out_of_range_free_raises(slot):
+    pool = SlotPool(4, "warm")
+    pool.allocate(4)
+    with pytest.raises(ValueError, match=rf"^warm: slot {slot} is out of range 0\.\.3$"):
+        pool.free([slot])
+    assert pool.num_used == 4
+    assert pool.free_order() == []
+
+
+def test_is_used_tracks_allocate_and_free():
+    pool = SlotPool(3)
+    assert [pool.is_used(s) for s in range(3)] == [False, False, False]
+    pool.allocate(2)
+    assert [pool.is_used(s) for s in range(3)] == [True, True, False]
+    pool.free([0])
+    assert [pool.is_used(s) for s in range(3)] == [False, True, False]
+
+
+# --- BlockIndex ------------------------------------------------------------------------------
+
+
+def test_add_gives_sequential_ids_and_fresh_entries():
+    index = BlockIndex()
+    assert index.add(0, 5) == 0
+    assert index.add(2, 7) == 1
+    assert index.get(0) == BlockEntry(tier=0, slot=5, ref_count=1, last_access=1, content_hash=None)
+    assert index.get(1) == BlockEntry(tier=2, slot=7, ref_count=1, last_access=2, content_hash=None)
+    assert len(index) == 2
+    assert 1 in index and 2 not in index
+    assert index.blocks_in(0) == [0]
+    assert index.blocks_in(1) == []
+    assert index.blocks_in(2) == [1]
+
+
+def test_ids_are_not_reused_after_remove():
+    index = BlockIndex()
+    index.add(0, 0)
+    index.remove(0)
+    assert index.add(0, 0) == 1
+    assert 0 not in index
+
+
+def test_incref_and_decref():
+    index = BlockIndex()
+    block = index.add(0, 0)
+    index.incref(block)
+    assert index.get(block).ref_count == 2
+    assert index.decref(block) == 1
+    assert index.decref(block) == 0
+    with pytest.raises(ValueError, match=r"^block 0: decref below zero$"):
+        index.decref(block)
+    assert index.get(block).ref_count == 0
+
+
+def test_tick_and_touch_order_accesses():
+    index = BlockIndex()
+    a, b, c = index.add(0, 0), index.add(0, 1), index.add(1, 0)
+    assert [index.get(x).last_access for x in (a, b, c)] == [1, 2, 3]
+    assert index.tick() == 4
+    index.touch([a, c])
+    assert [index.get(x).last_access for x in (a, b, c)] == [5, 2, 5]
+    index.touch([b], now=42)
+    assert [index.get(x).last_access for x in (a, b, c)] == [5, 42, 5]
+    assert index.tick() == 6  # an explicit `now` does not advance the clock
+
+
+def test_move_changes_placement_only():
+    index = BlockIndex()
+    block = index.add(0, 3)
+    index.set_hash(block, b"h")
+    index.move(block, 2, 9)
+    assert index.get(block) == BlockEntry(tier=2, slot=9, ref_count=1, last_access=1, content_hash=b"h")
+    assert index.blocks_in(0) == [] and index.blocks_in(2) == [block]
+
+
+def test_set_hash_lookup_and_clear_hash():
+    index = BlockIndex()
+    block = index.add(0, 0)
+    assert index.lookup(b"abc") is None
+    assert index.set_hash(block, b"abc") == block
+    assert index.lookup(b"abc") == block
+    assert index.get(block).content_hash == b"abc"
+    index.clear_hash(block)
+    assert index.lookup(b"abc") is None
+    assert index.get(block).content_hash is None
+
+
+def test_second_block_with_same_hash_does_not_steal_it():
+    index = BlockIndex()
+    first, second = index.add(0, 0), index.add(0, 1)
+    assert index.set_hash(first, b"same") == first
+    assert index.set_hash(second, b"same") == first
+    assert index.lookup(b"same") == first
+    assert index.get(second).content_hash is None
+    # clearing the non-owner leaves the owner's registration alone
+    index.clear_hash(second)
+    assert index.lookup(b"same") == first
+    # once the owner gives it up, the other block can take it
+    index.clear_hash(first)
+    assert index.set_hash(second, b"same") == second
+    assert index.lookup(b"same") == second
+
+
+def test_remove_clears_the_hash_and_returns_the_entry():
+    index = BlockIndex()
+    block = index.add(1, 4)
+    index.set_hash(block, b"h1")
+    entry = index.remove(block)
+    assert entry == BlockEntry(tier=1, slot=4, ref_count=1, last_access=1, content_hash=b"h1")
+    assert index.lookup(b"h1") is None
+    assert block not in index
+    assert len(index) == 0
+
+
+def test_rehashed_block_leaves_no_stale_hash_behind():
+    """A block given a new hash must not stay findable under its old one (least of all after removal)."""
+    index = BlockIndex()
+    block = index.add(0, 0)
+    index.set_hash(block, b"old")
+    index.set_hash(block, b"new")
+    assert index.lookup(b"new") == block
+    index.remove(block)
+    assert index.lookup(b"new") is None
+    assert index.lookup(b"old") is None
+
+
+@pytest.mark.parametrize("call", [
+    lambda index: index.get(7),
+    lambda index: index.remove(7),
+    lambda index: index.incref(7),
+    lambda index: index.decref(7),
+    lambda index: index.move(7, 0, 0),
+    lambda index: index.set_hash(7, b"x"),
+    lambda index: index.clear_hash(7),
+])
+def test_unknown_block_raises_key_error_naming_it(call):
+    index = BlockIndex()
+    index.add(0, 0)
+    with pytest.raises(KeyError, match=r"block 7 is not in the index \(freed or never allocated\)"):
+        call(index)
+
+
+def test_touch_of_unknown_block_names_it():
+    index = BlockIndex()
+    with pytest.raises(KeyError, match=r"7"):
+        index.touch([7])
