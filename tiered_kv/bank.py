@@ -229,9 +229,7 @@ class CacheBank(Cache):
         self._step = _Step(num_new, num_tokens, write_runs, read_runs)
 
     def _map(self, table: list[int], start: int, end: int) -> list[TierRun]:
-        block_size = self.config.block_size
-        positions = range(start, end)
-        return self.store.map_tokens([table[p // block_size] for p in positions], [p % block_size for p in positions])
+        return self.store.map_range(table, start, end)
 
     def _end_step(self) -> None:
         self._step = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .block_index import BlockIndex
@@ -262,6 +263,38 @@ class TierStore:
             slots = [self.index.get(block_ids[i]).slot for i in picked]
             index = self.tiers[tier].token_index(slots, [offsets[i] for i in picked])
             runs.append(TierRun(tier, index, torch.tensor(picked, dtype=torch.long, device=self.device)))
+        return runs
+
+    def map_range(self, block_ids: list[int], start_token: int, end_token: int) -> list[TierRun]:
+        """Like map_tokens for tokens [start_token, end_token) of a block table, built per block
+        (numpy), not per token: this runs every decode step over the whole context."""
+        bs = self.layout.block_size
+        first, last = start_token // bs, (end_token - 1) // bs
+        blocks = block_ids[first:last + 1]
+        entries = [self.index.get(b) for b in blocks]
+        if any(e.tier < 0 for e in entries):
+            bad = sorted(b for b, e in zip(blocks, entries) if e.tier < 0)
+            raise CorruptBlockError(f"blocks {bad} failed their checksum and must be recomputed")
+        lo, hi = start_token - first * bs, end_token - first * bs
+        block_tiers = np.fromiter((e.tier for e in entries), dtype=np.int64, count=len(entries))
+        block_slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        if (block_tiers == block_tiers[0]).all():
+            tier = int(block_tiers[0])
+            if tier == HOT and len(blocks) > 0 and (np.diff(block_slots) == 1).all():
+                base = int(block_slots[0]) * bs
+                return [TierRun(HOT, slice(base + lo, base + hi), None)]
+            slots = np.repeat(block_slots, bs)[lo:hi]
+            offsets = np.tile(np.arange(bs, dtype=np.int64), len(blocks))[lo:hi]
+            return [TierRun(tier, self.tiers[tier].token_index(slots, offsets), None)]
+        token_tiers = np.repeat(block_tiers, bs)[lo:hi]
+        slots = np.repeat(block_slots, bs)[lo:hi]
+        offsets = np.tile(np.arange(bs, dtype=np.int64), len(blocks))[lo:hi]
+        runs = []
+        for tier in (HOT, WARM, COLD):
+            picked = np.nonzero(token_tiers == tier)[0]
+            if len(picked):
+                index = self.tiers[tier].token_index(slots[picked], offsets[picked])
+                runs.append(TierRun(tier, index, torch.from_numpy(picked).to(self.device)))
         return runs
 
     def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:

@@ -145,8 +145,10 @@ class ColdTier:
         self.valid[slots] = False
 
     # ---- tokens of one layer ---------------------------------------------------------------
-    def token_index(self, slots: list[int], offsets: list[int]):
+    def token_index(self, slots, offsets):
         groups: dict[int, list[tuple[int, int]]] = {}
+        slots = np.asarray(slots, dtype=np.int64).tolist()
+        offsets = np.asarray(offsets, dtype=np.int64).tolist()
         for position, (slot, offset) in enumerate(zip(slots, offsets)):
             groups.setdefault(slot, []).append((position, offset))
         return len(slots), groups

@@ -8,6 +8,7 @@ sequences are gathered with one index_select per layer (the same traffic as Dyna
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..blocks import KVLayout
@@ -44,13 +45,12 @@ class HotTier:
         """Slot `slot` as a (strided) `[L, 2, H, bs, D]` view, for async single-block copies."""
         return self._blocks[:, :, :, slot]
 
-    def token_index(self, slots: list[int], offsets: list[int]):
+    def token_index(self, slots, offsets):
         """A slice when the tokens are one contiguous run of the slab, else a LongTensor."""
-        bs = self.layout.block_size
-        flat = [s * bs + o for s, o in zip(slots, offsets)]
-        if flat and flat[-1] - flat[0] == len(flat) - 1 and all(b - a == 1 for a, b in zip(flat, flat[1:])):
-            return slice(flat[0], flat[-1] + 1)
-        return torch.tensor(flat, dtype=torch.long, device=self.device)
+        flat = np.asarray(slots, dtype=np.int64) * self.layout.block_size + np.asarray(offsets, dtype=np.int64)
+        if len(flat) and flat[-1] - flat[0] == len(flat) - 1 and bool((np.diff(flat) == 1).all()):
+            return slice(int(flat[0]), int(flat[-1]) + 1)
+        return torch.from_numpy(flat).to(self.device)
 
     def read_tokens(self, layer: int, index) -> torch.Tensor:
         if isinstance(index, slice):

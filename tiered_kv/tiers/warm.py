@@ -6,6 +6,7 @@ to a cold-tier record, so warm<->cold moves are single reads/writes with no repa
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..blocks import KVLayout
@@ -33,8 +34,8 @@ class WarmTier:
     def block_view(self, slot: int) -> torch.Tensor:
         return self.slab[slot]
 
-    def token_index(self, slots: list[int], offsets: list[int]):
-        return torch.tensor(slots, dtype=torch.long), torch.tensor(offsets, dtype=torch.long)
+    def token_index(self, slots, offsets):
+        return torch.as_tensor(np.asarray(slots, dtype=np.int64)), torch.as_tensor(np.asarray(offsets, dtype=np.int64))
 
     def read_tokens(self, layer: int, index) -> torch.Tensor:
         slots, offsets = index
