@@ -235,8 +235,8 @@ class TierStore:
         if hasattr(src, "block_view") and hasattr(dst, "block_view"):
             self.copy_engine.copy(dst.block_view(dst_slot), src.block_view(src_slot))
         else:
-            if src_tier != HOT:
-                self.copy_engine.before_host_read()
+            # host code is about to touch host memory a side-stream copy may still be using
+            self.copy_engine.before_host_read()
             dst.write_blocks([dst_slot], src.read_blocks([src_slot]))
         num_bytes = self.layout.block_bytes
         if src_tier == dst_tier:  # a copy-on-write inside one tier moves nothing between tiers
@@ -311,6 +311,8 @@ class TierStore:
         return out
 
     def _read_tokens(self, tier: int, layer: int, index) -> torch.Tensor:
+        if tier != HOT:
+            self.copy_engine.before_host_read()
         try:
             return self.tiers[tier].read_tokens(layer, index)
         except CorruptBlockError as error:
@@ -324,6 +326,8 @@ class TierStore:
         """Store `kv` (`[2, H, t, D]`) for the mapped tokens of one layer, wherever they live."""
         for run in runs:
             part = kv if run.positions is None else kv.index_select(2, run.positions)
+            if run.tier != HOT:
+                self.copy_engine.before_host_read()
             self.tiers[run.tier].write_tokens(layer, run.index, part)
 
     def count_hits(self, block_ids: list[int]) -> None:

@@ -15,7 +15,7 @@ class CpuCopyEngine:
         dst.copy_(src)
 
     def before_host_read(self) -> None:
-        """Called before the CPU reads host memory that a copy may still be writing."""
+        """Called before the CPU reads or writes host memory a side-stream copy may still be using."""
 
     def before_device_use(self) -> None:
         """Called before compute uses device memory that a copy may still be writing."""
