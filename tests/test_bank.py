@@ -199,3 +199,28 @@ def test_stats_report_every_tier(tmp_path):
     assert stats["bytes_moved"]["warm->cold"] == 2 * block_bytes
     assert stats["bank_blocks"] == {"hot": 2, "warm": 3, "cold": 5}
     bank.close()
+
+
+@pytest.mark.parametrize("tier", ("warm", "cold"))
+def test_offloaded_history_comes_back_for_the_next_turn(tier, tmp_path):
+    """Idle history moves down the tiers and comes back up for the next turn, unchanged."""
+    model = tiny_model("llama")
+    config = tier_config("all_hot", tmp_path)
+    config["warm"]["capacity_blocks"] = 64
+    config["cold"]["capacity_blocks"] = 64
+    bank = tiered_kv.CacheBank(model.config, config)
+    ids = _ids(30, 25)
+    bank.attach(ids)
+    out = model.generate(ids, cache=bank, max_new_tokens=6, do_sample=False)
+    num_blocks = (out.shape[1] - 1 + 3) // 4
+    assert bank.offload(tier) == {"hot": 0, "warm": 0, "cold": 0, tier: num_blocks}
+    follow_ids = torch.cat([out, _ids(31, 4)], 1)
+    assert bank.attach(follow_ids) == out.shape[1] - 1
+    assert bank.stats()["bank_blocks"] == {"hot": num_blocks, "warm": 0, "cold": 0}
+    follow = model.generate(follow_ids, cache=bank, max_new_tokens=5, do_sample=False)
+    assert torch.equal(follow, model.generate(follow_ids, max_new_tokens=5, do_sample=False))
+    moved = bank.stats()["bytes_moved"]
+    assert moved[f"hot->{tier}"] == moved[f"{tier}->hot"] == num_blocks * bank.store.layout.block_bytes
+    with pytest.raises(ValueError, match="allowed 'warm' or 'cold'"):
+        bank.offload("hot")
+    bank.close()

@@ -379,3 +379,27 @@ def test_cold_close_is_idempotent_and_flushes(make_tier):
     tier.close()
     tier.close()
     assert tier._fd is None
+
+
+@pytest.mark.parametrize("kind", TIER_KINDS)
+@pytest.mark.parametrize("first, count", [(0, 12), (2, 7), (3, 1)])
+def test_runs_through_whole_blocks_read_and_write_like_scattered_tokens(make_tier, kind, first, count):
+    """A run of tokens through blocks in order (what a step maps) gives the same data as the
+    per-token path; the warm tier serves such runs with a block-level gather."""
+    tier = make_tier(kind)
+    data = random_blocks(3)
+    block_slots = [5, 0, 3]
+    tier.write_blocks(block_slots, data)
+    positions = range(first, first + count)
+    slots = [block_slots[p // 4] for p in positions]
+    offsets = [p % 4 for p in positions]
+    index = tier.token_index(slots, offsets)
+    if kind == "warm":
+        assert index[0] == "blocks"
+    for layer in range(LAYOUT.num_layers):
+        expected = torch.stack([data[p // 4, layer, :, :, p % 4, :] for p in positions], dim=2)
+        assert torch.equal(tier.read_tokens(layer, index), expected)
+    fresh = random_tokens(count, seed=7)
+    tier.write_tokens(1, index, fresh)
+    assert torch.equal(tier.read_tokens(1, index), fresh)
+    assert torch.equal(tier.read_tokens(0, index), torch.stack([data[p // 4, 0, :, :, p % 4, :] for p in positions], 2))

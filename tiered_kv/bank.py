@@ -368,6 +368,17 @@ class CacheBank(Cache):
         """Bring this chat's blocks up the tiers ahead of its next turn."""
         self._promote()
 
+    def offload(self, tier: str = "warm") -> dict:
+        """Move this idle chat's blocks down to `tier` ("warm" or "cold"), freeing the tiers
+        above for other chats; its next turn (or prefetch) brings them back. Returns
+        stats()["bank_blocks"] afterwards: blocks that found no room stay where they were."""
+        if tier not in ("warm", "cold"):
+            raise ValueError(f"offload(tier={tier!r}): allowed 'warm' or 'cold'")
+        blocks = [b for table in self._tables for b in table]
+        if blocks:
+            self.store.demote(blocks, TIER_NAMES.index(tier))
+        return self.stats()["bank_blocks"]
+
     @staticmethod
     def _as_token_list(ids) -> list[int]:
         if isinstance(ids, torch.Tensor):

@@ -22,7 +22,7 @@ from .store import TierStore
 
 TIER_NAMES = ("hot", "warm", "cold")
 
-# Questions that ask for long answers, so that 8 turns of ~220 new tokens pass 2,000 tokens.
+# Questions that ask for long answers, so that 8 turns of up to 240 new tokens pass 2,000 tokens.
 DEFAULT_USER_MESSAGES = (
     "Explain in detail how a CPU executes an instruction, step by step, from fetch to write-back.",
     "Now explain, in detail, how CPU caches work and why they make programs faster.",
@@ -38,7 +38,7 @@ DEFAULT_USER_MESSAGES = (
     "Summarize, in detail, the most important ideas from everything we discussed so far.",
 )
 DEFAULT_NUM_TURNS = 8
-DEFAULT_MAX_NEW_TOKENS = 220
+DEFAULT_MAX_NEW_TOKENS = 240
 
 
 class _CurrentStdout:

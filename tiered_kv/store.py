@@ -177,6 +177,11 @@ class TierStore:
         plan = self.scheduler.plan_promotion(block_ids, self.index, self.free_slots(), self.capacities)
         return self.apply(plan)
 
+    def demote(self, block_ids: list[int], dst_tier: int) -> list[int]:
+        """Move blocks down to `dst_tier` (WARM or COLD) as far as room allows."""
+        plan = self.scheduler.plan_demotion(block_ids, dst_tier, self.index, self.free_slots(), self.capacities)
+        return self.apply(plan)
+
     def apply(self, plan: Plan) -> list[int]:
         """Carry out a plan's moves in order. Returns the ids of blocks that failed a checksum
         while being moved; those are marked corrupt, keep no data, and must be recomputed."""

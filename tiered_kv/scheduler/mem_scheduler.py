@@ -65,6 +65,7 @@ class _Simulation:
         return True
 
     def move_up(self, block_id: int, src_tier: int, dst_tier: int) -> None:
+        """Record a move chosen by the caller (not by LRU): promotions and explicit demotions."""
         self._record(Move(block_id, src_tier, dst_tier))
         self.free[src_tier] += 1
         self.free[dst_tier] -= 1
@@ -124,4 +125,28 @@ class MemScheduler:
                 sim.move_up(block_id, tier, HOT)
             elif tier == COLD and capacities[WARM] > 0 and sim.make_room(WARM, 1):
                 sim.move_up(block_id, tier, WARM)
+        return Plan(moves=sim.moves)
+
+    def plan_demotion(
+        self,
+        block_ids: list[int],
+        dst_tier: int,
+        index: BlockIndex,
+        free_slots: list[int],
+        capacities: list[int],
+    ) -> Plan:
+        """Move `block_ids` (an idle chat's blocks) down to `dst_tier`, making room there by the
+        usual LRU cascade. Blocks already at or below `dst_tier` stay; when `dst_tier` runs out
+        of room the rest stay where they are (a partial plan, never an error)."""
+        if capacities[dst_tier] == 0:
+            return Plan()
+        wanted = frozenset(block_ids)
+        sim = _Simulation(index, free_slots, capacities, protect=wanted)
+        for block_id in block_ids:
+            tier = sim.tier(block_id)
+            if tier < 0 or tier >= dst_tier:
+                continue
+            if not sim.make_room(dst_tier, 1):
+                break
+            sim.move_up(block_id, tier, dst_tier)  # same bookkeeping, downward
         return Plan(moves=sim.moves)

@@ -35,15 +35,38 @@ class WarmTier:
         return self.slab[slot]
 
     def token_index(self, slots, offsets):
-        return torch.as_tensor(np.asarray(slots, dtype=np.int64)), torch.as_tensor(np.asarray(offsets, dtype=np.int64))
+        """("blocks", block slots, first offset, count) when the tokens run through whole blocks
+        in order (the usual case: one block-level gather per layer), else per-token indices."""
+        slots = np.asarray(slots, dtype=np.int64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        bs = self.layout.block_size
+        count = len(slots)
+        if count:
+            first = int(offsets[0])
+            if (offsets == (first + np.arange(count)) % bs).all():
+                starts = np.concatenate(([0], np.nonzero(offsets[1:] == 0)[0] + 1))
+                block_slots = slots[starts]
+                if (np.repeat(block_slots, bs)[first:first + count] == slots).all():
+                    return "blocks", torch.from_numpy(block_slots), first, count
+        return "tokens", torch.from_numpy(slots), torch.from_numpy(offsets)
 
     def read_tokens(self, layer: int, index) -> torch.Tensor:
-        slots, offsets = index
+        if index[0] == "blocks":
+            _, block_slots, first, count = index
+            blocks = self.slab[:, layer].index_select(0, block_slots)  # [n, 2, H, bs, D]
+            n, _, heads, bs, dim = blocks.shape
+            return blocks.permute(1, 2, 0, 3, 4).reshape(2, heads, n * bs, dim)[:, :, first:first + count]
+        _, slots, offsets = index
         # advanced indices separated by slices come first: [t, 2, H, D]
         return self.slab[slots, layer, :, :, offsets, :].permute(1, 2, 0, 3)
 
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
-        slots, offsets = index
+        if index[0] == "blocks":
+            _, block_slots, first, count = index
+            slots = torch.repeat_interleave(block_slots, self.layout.block_size)[first:first + count]
+            offsets = (torch.arange(count) + first) % self.layout.block_size
+        else:
+            _, slots, offsets = index
         self.slab[slots, layer, :, :, offsets, :] = kv.permute(2, 0, 1, 3).to("cpu")
 
     def flush(self) -> None:
