@@ -29,6 +29,10 @@ def test_conversation_larger_than_all_tiers_fails_before_writing(tmp_path):
     after = bank.stats()
     assert after["seq_tokens"] == before["seq_tokens"] == 13
     assert after["tiers"] == before["tiers"]
+    # attach() says so before generate() runs anything, and keeps the history
+    with pytest.raises(tiered_kv.CapacityError, match=r"needs 10 blocks \(1 x 37 tokens"):
+        bank.attach(torch.cat([out, _ids(2, 23)], 1))
+    assert bank.stats()["seq_tokens"] == 13
     # the bank still works for a conversation that fits
     again = model.generate(torch.cat([out, _ids(3, 5)], 1), cache=bank, max_new_tokens=3, do_sample=False)
     reference = model.generate(torch.cat([out, _ids(3, 5)], 1), max_new_tokens=3, do_sample=False)

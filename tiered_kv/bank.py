@@ -202,14 +202,7 @@ class CacheBank(Cache):
             )
         block_size = self.config.block_size
         num_tokens = self._seq_len + num_new
-        total_blocks = len(self._tables) * num_blocks_for(num_tokens, block_size)
-        if total_blocks > self.store.total_capacity_blocks:
-            raise CapacityError(
-                f"this conversation needs {total_blocks} blocks ({len(self._tables)} x {num_tokens} tokens, "
-                f"{block_size} tokens per block) but hot+warm+cold hold {self.store.total_capacity_blocks} blocks "
-                f"(hot {self.store.capacities[0]}, warm {self.store.capacities[1]}, cold {self.store.capacities[2]}); "
-                "nothing was written. Raise a tier's capacity or shorten the prompt"
-            )
+        self._check_fits(len(self._tables), num_tokens)
         self._prepare_tail_for_write()
         needed = [num_blocks_for(num_tokens, block_size) - len(table) for table in self._tables]
         new_ids = self.store.allocate(sum(needed))  # raises CapacityError with nothing changed
@@ -227,6 +220,21 @@ class CacheBank(Cache):
         self.store.count_hits(all_blocks)
         self._seq_len = num_tokens
         self._step = _Step(num_new, num_tokens, write_runs, read_runs)
+
+    def _check_fits(self, num_rows: int, num_tokens: int) -> None:
+        """CapacityError when `num_rows` sequences of `num_tokens` cannot fit in all tiers at once."""
+        if not self.store.is_bound:
+            return
+        block_size = self.config.block_size
+        total_blocks = num_rows * num_blocks_for(num_tokens, block_size)
+        if total_blocks > self.store.total_capacity_blocks:
+            hot, warm, cold = self.store.capacities
+            raise CapacityError(
+                f"this conversation needs {total_blocks} blocks ({num_rows} x {num_tokens} tokens, "
+                f"{block_size} tokens per block) but hot+warm+cold hold {self.store.total_capacity_blocks} blocks "
+                f"(hot {hot}, warm {warm}, cold {cold}); nothing was written. "
+                "Raise a tier's capacity or shorten the conversation"
+            )
 
     def _map(self, table: list[int], start: int, end: int) -> list[TierRun]:
         return self.store.map_range(table, start, end)
@@ -322,6 +330,7 @@ class CacheBank(Cache):
         token_ids = self._as_token_list(ids)
         if len(self._tables) > 1:
             raise ValueError(f"attach() serves one sequence; this bank holds {len(self._tables)} (call reset())")
+        self._check_fits(1, len(token_ids))  # fail before generate() runs any forward pass
         limit = len(token_ids) - 1
         if self._tables:
             known = self._token_ids[0]
