@@ -20,7 +20,7 @@ from .bank import CacheBank
 from .config import Config
 from .store import TierStore
 
-TIER_NAMES = ("hot", "warm", "cold")
+from .scheduler import TIER_NAMES
 
 # Questions that ask for long answers, so that 8 turns of up to 240 new tokens pass 2,000 tokens.
 DEFAULT_USER_MESSAGES = (
@@ -151,12 +151,17 @@ def run_chat(
         raise ValueError("run_chat: user_messages is empty; give at least one message")
     if max_new_tokens < 1:
         raise ValueError(f"run_chat: max_new_tokens={max_new_tokens}; allowed: >= 1")
-    write = (lambda text: (out.write(text + "\n"), out.flush())) if out is not None else (lambda text: None)
+
+    def write(text: str) -> None:
+        if out is not None:
+            out.write(text + "\n")
+            out.flush()
+
     device = next(model.parameters()).device
     stop_ids = _stop_ids(model, tokenizer)
     max_positions = getattr(model.config, "max_position_embeddings", None)
 
-    bank = CacheBank(model.config, cfg, store=store) if store is not None else CacheBank(model.config, cfg)
+    bank = CacheBank(model.config, cfg, store=store)
     records: list[dict] = []
     conversation: list[int] = []
     try:

@@ -58,7 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_script(path: str) -> list[str]:
     """One user message per line; blank lines and `#` comments are skipped."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ValueError(f"--script {path!r}: cannot read it ({reason})") from None
     messages = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not messages:
         raise ValueError(f"script {path!r} has no messages (one per line; # starts a comment)")
@@ -87,6 +91,8 @@ def _chat(args: argparse.Namespace) -> int:
         return _fail(exc, EXIT_USAGE)
     try:
         run_chat(model, tokenizer, cfg, pick_messages(script, num_turns), args.max_new_tokens)
+    except ConfigError as exc:  # found when the store starts, e.g. cold.path in use by another process
+        return _fail(exc, EXIT_USAGE)
     except (CapacityError, CorruptBlockError, LayoutError) as exc:
         return _fail(exc, 1)
     return 0
