@@ -228,3 +228,12 @@ def test_offloaded_history_comes_back_for_the_next_turn(tier, tmp_path):
     with pytest.raises(ValueError, match="allowed 'warm' or 'cold'"):
         bank.offload("hot")
     bank.close()
+
+
+def test_a_cold_directory_serves_one_store_at_a_time(tmp_path):
+    config = tier_config("forces_cold", tmp_path)
+    first = tiered_kv.TierStore(config)
+    with pytest.raises(tiered_kv.ConfigError, match=r"cold.path.*in use by another TierStore"):
+        tiered_kv.TierStore(config)  # at start, not at the first spill
+    first.close()
+    tiered_kv.TierStore(config).close()  # released on close

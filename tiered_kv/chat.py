@@ -18,9 +18,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from .bank import CacheBank
 from .config import Config
-from .store import TierStore
-
 from .scheduler import TIER_NAMES
+from .store import TierStore
 
 # Questions that ask for long answers, so that 8 turns of up to 240 new tokens pass 2,000 tokens.
 DEFAULT_USER_MESSAGES = (

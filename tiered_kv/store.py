@@ -10,6 +10,7 @@ dtype), because block size in bytes is unknown until then.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,7 @@ from .hw.link_monitor import make_link_monitor
 from .pool import SlotPool
 from .scheduler import COLD, DROPPED, HOT, TIER_NAMES, WARM, MemScheduler, Plan
 from .tiers import ColdTier, HotTier, WarmTier
+from .tiers.cold import lock_directory, prepare_directory
 
 
 @dataclass
@@ -54,11 +56,11 @@ class TierStore:
         self.hits = {name: 0 for name in TIER_NAMES}
         self.misses = 0
         self._closed = False
+        self._cold_lock_fd: int | None = None
         if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
-            # fail at start, not at first spill, when the cold directory is unusable
-            from .tiers.cold import prepare_directory
-
+            # fail at start, not at the first spill, when the cold directory is unusable or taken
             prepare_directory(self.config.cold.path)
+            self._cold_lock_fd = lock_directory(self.config.cold.path)
 
     # ---- binding ---------------------------------------------------------------------------
     @property
@@ -379,6 +381,9 @@ class TierStore:
             if tier is not None:
                 tier.close()
         self.tiers = []
+        if self._cold_lock_fd is not None:
+            os.close(self._cold_lock_fd)  # closing the fd releases the flock
+            self._cold_lock_fd = None
 
     def __del__(self):
         try:

@@ -32,6 +32,24 @@ def layout_signature(layout: KVLayout) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def lock_directory(path: str) -> int:
+    """Hold an exclusive lock on `path`/.lock for this process (one store per cold directory:
+    slot allocation is in-process). Returns the lock's fd; ConfigError when another holds it."""
+    try:
+        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"config key 'cold.path': cannot create a lock file in {path!r}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(
+            f"config key 'cold.path': {path!r} is in use by another TierStore (this or another process); "
+            "allowed: a cold.path no other running store uses"
+        ) from None
+    return fd
+
+
 def prepare_directory(path: str) -> None:
     """Create `path` (0700) or check it is a writable directory; ConfigError otherwise."""
     try:
