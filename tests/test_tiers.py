@@ -352,8 +352,15 @@ def test_cold_tiers_of_different_layouts_share_a_directory(tmp_path):
         b.close()
 
 
-@pytest.mark.skipif(kvikio_usable(), reason="kvikio works on this machine (needs CUDA + kvikio)")
-def test_kvikio_backend_without_cuda_raises_config_error(tmp_path):
+def test_kvikio_backend_is_used_where_it_works_and_refused_where_not(tmp_path):
+    if kvikio_usable():  # a GPU machine with the [gpu] extra
+        tier = ColdTier(LAYOUT, 2, str(tmp_path / "cold"), backend="kvikio")
+        assert tier.io.name == "kvikio"
+        data = random_blocks(1)
+        tier.write_blocks([1], data)
+        assert torch.equal(tier.read_blocks([1]), data)
+        tier.close()
+        return
     with pytest.raises(ConfigError, match=r"config key 'cold\.backend': got 'kvikio'.*allowed here: 'auto', 'posix'"):
         ColdTier(LAYOUT, 2, str(tmp_path / "cold"), backend="kvikio")
     assert not (tmp_path / "cold").exists()  # checked before anything is created
