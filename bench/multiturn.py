@@ -7,9 +7,12 @@ Each turn, the same conversation ids go to:
   * the reference: one DynamicCache kept across turns (ideal in-memory reuse); its tokens are
     the expected ones and its decode speed is the baseline, at the same context length;
   * one CacheBank per placement, each keeping its history in one tier between turns:
-      hot  - every block fits in the hot tier;
-      warm - the hot tier holds 4 blocks, so the history sits in the warm tier;
-      cold - hot and warm hold 2 blocks each, so the history sits in the cold file.
+      hot        - every block fits in the hot tier and stays there;
+      warm, cold - the hot tier could hold everything, but between turns the idle chat is
+                   offloaded (bank.offload) to that tier, so each turn starts with its history
+                   there and attach() brings it back up (a chat that sat idle while others ran);
+      warm-spill - the hot tier holds 4 blocks, so the history lives in warm even while used;
+      cold-spill - hot and warm hold 2 blocks each, so every forward reads the cold file.
 The tier really holding the history is read from `bank.stats()["bank_blocks"]` before each turn.
 
 Timing: a BaseStreamer records when generate() hands over each token. Its first put() is the
@@ -45,7 +48,10 @@ from transformers.generation.streamers import BaseStreamer
 
 import tiered_kv
 
-PLACEMENTS = ("hot", "warm", "cold")
+PLACEMENTS = ("hot", "warm", "cold", "warm-spill", "cold-spill")
+TIERS = ("hot", "warm", "cold")
+TIER_OF = {"hot": "hot", "warm": "warm", "cold": "cold", "warm-spill": "warm", "cold-spill": "cold"}
+OFFLOADED = ("warm", "cold")  # placements whose chat is offloaded to that tier between turns
 TTFT_TARGET_RATIO = 20.0
 TTFT_TARGET_HISTORY_TOKENS = 2000
 DECODE_TARGET_RATIO = 0.95
@@ -181,7 +187,9 @@ class TurnMaker:
 def tier_config(placement: str, num_blocks: int, block_size: int, device: str, cold_dir: str) -> dict:
     """hot: everything fits hot. warm: hot holds 4 blocks, warm the rest. cold: hot and warm hold
     2 blocks each, the history lands in the cold file."""
-    hot, warm, cold = {"hot": (num_blocks, 0, 0), "warm": (4, num_blocks, 0), "cold": (2, 2, num_blocks)}[placement]
+    hot, warm, cold = {"hot": (num_blocks, 0, 0), "warm": (num_blocks, num_blocks, 0),
+                       "cold": (num_blocks, 0, num_blocks), "warm-spill": (4, num_blocks, 0),
+                       "cold-spill": (2, 2, num_blocks)}[placement]
     return {
         "block_size": block_size,
         "hot": {"device": device, "capacity_blocks": hot},
@@ -191,13 +199,15 @@ def tier_config(placement: str, num_blocks: int, block_size: int, device: str, c
 
 
 def history_in_place(placement: str, blocks: dict) -> bool | None:
-    """True when the placement's tier holds the history: all of it for hot, the most blocks otherwise."""
+    """True when the placement's tier holds the history: all of it for hot and the offloaded
+    placements, the most blocks for the spill ones."""
     total = sum(blocks.values())
     if total == 0:
         return None
-    if placement == "hot":
-        return blocks["hot"] == total
-    return blocks[placement] == max(blocks.values()) and blocks[placement] > total // 2
+    tier = TIER_OF[placement]
+    if placement == "hot" or placement in OFFLOADED:  # all of it
+        return blocks[tier] == total
+    return blocks[tier] == max(blocks.values()) and blocks[tier] > total // 2
 
 
 class TokenTimer(BaseStreamer):
@@ -254,6 +264,8 @@ def run_turns(model, maker: TurnMaker, banks: dict, args) -> list[dict]:
             moved_before = sum(bank.stats()["bytes_moved"].values())
             result = timed_generate(model, conversation, bank, args.max_new_tokens, bank=bank)
             stats = bank.stats()
+            if placement in OFFLOADED:  # the chat goes idle: its history moves down (not timed)
+                bank.offload(placement)
             rows.append({
                 "placement": placement,
                 "turn": turn,
@@ -326,7 +338,7 @@ def _fmt(value, spec: str, unit: str = "") -> str:
 
 
 def _blocks_text(blocks: dict) -> str:
-    return "/".join(str(blocks[t]) for t in PLACEMENTS)
+    return "/".join(str(blocks[t]) for t in TIERS)
 
 
 def _row_text(row: dict) -> str:
@@ -436,7 +448,8 @@ def run_benchmark(model, tokenizer, args, placements, cold_root: str) -> dict:
     device = str(model.device)
 
     def configs_in(subdir: str) -> dict:
-        return {p: tier_config(p, num_blocks, args.block_size, device, os.path.join(cold_root, subdir))
+        # one cold directory per store: a cold directory serves one TierStore at a time
+        return {p: tier_config(p, num_blocks, args.block_size, device, os.path.join(cold_root, subdir, p))
                 for p in placements}
 
     print(f"model on {device}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} on "
@@ -461,7 +474,8 @@ def run_benchmark(model, tokenizer, args, placements, cold_root: str) -> dict:
         decode_configs = configs_in("decode")
         started = time.perf_counter()
         decode_rows = run_decode_at_context(
-            model, maker, lambda p: tiered_kv.CacheBank(model.config, decode_configs[p]), placements, args)
+            model, maker, lambda p: tiered_kv.CacheBank(model.config, decode_configs[p]),
+            [p for p in placements if p not in OFFLOADED], args)  # offloaded ones decode from hot
         section_s["decode_at_context"] = time.perf_counter() - started
     return {"tier_configs": configs, "turns": rows, "decode_at_context": decode_rows, "section_s": section_s}
 

@@ -237,3 +237,28 @@ def test_a_cold_directory_serves_one_store_at_a_time(tmp_path):
         tiered_kv.TierStore(config)  # at start, not at the first spill
     first.close()
     tiered_kv.TierStore(config).close()  # released on close
+
+
+def test_corrupt_block_inside_a_batched_promotion_is_dropped_and_the_rest_kept(tmp_path):
+    model = tiny_model("llama")
+    config = tier_config("all_hot", tmp_path)
+    config["cold"]["capacity_blocks"] = 64
+    bank = tiered_kv.CacheBank(model.config, config)
+    ids = _ids(40, 30)
+    bank.attach(ids)
+    out = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
+    bank.offload("cold")
+    store, cold = bank.store, bank.store.tiers[2]
+    victim = bank._tables[0][5]
+    with open(cold.file_path, "r+b") as f:
+        offset = store.index.get(victim).slot * cold.record_stride_bytes + 7
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    follow_ids = torch.cat([out, _ids(41, 3)], 1)
+    assert bank.attach(follow_ids) == 5 * 4
+    assert bank.stats()["bank_blocks"] == {"hot": 5, "warm": 0, "cold": 0}
+    follow = model.generate(follow_ids, cache=bank, max_new_tokens=5, do_sample=False)
+    assert torch.equal(follow, model.generate(follow_ids, max_new_tokens=5, do_sample=False))
+    bank.close()

@@ -184,11 +184,17 @@ class TierStore:
         plan = self.scheduler.plan_demotion(block_ids, dst_tier, self.index, self.free_slots(), self.capacities)
         return self.apply(plan)
 
-    def apply(self, plan: Plan) -> list[int]:
+    def apply(self, plan: Plan, batch_cold_reads: bool = True) -> list[int]:
         """Carry out a plan's moves in order. Returns the ids of blocks that failed a checksum
         while being moved; those are marked corrupt, keep no data, and must be recomputed."""
         corrupt: list[int] = []
-        for move in plan.moves:
+        moves = list(plan.moves)
+        while moves:
+            batch = self._take_cold_batch(moves) if batch_cold_reads else []
+            if batch:
+                corrupt += self._apply_batch(batch)
+                continue
+            move = moves.pop(0)
             entry = self.index.get(move.block_id)
             if entry.tier != move.src_tier:
                 raise RuntimeError(f"plan is stale: {move}, but block {move.block_id} is in {TIER_NAMES[entry.tier]}")
@@ -212,6 +218,43 @@ class TierStore:
         if self.tiers and self.tiers[COLD] is not None:
             self.tiers[COLD].flush()
         return corrupt
+
+    def _take_cold_batch(self, moves: list) -> list:
+        """Pop the leading run of moves out of the cold tier to one destination (a promotion of
+        a whole chat), so it is read with few large preadv calls and written in one copy."""
+        first = moves[0]
+        if first.src_tier != COLD or first.dst_tier == DROPPED:
+            return []
+        count = 1
+        while count < len(moves) and moves[count].src_tier == COLD and moves[count].dst_tier == first.dst_tier:
+            count += 1
+        if count < 2:
+            return []
+        batch = moves[:count]
+        del moves[:count]
+        return batch
+
+    def _apply_batch(self, batch: list) -> list[int]:
+        dst_tier = batch[0].dst_tier
+        src_slots = [self.index.get(m.block_id).slot for m in batch]
+        dst_slots = self.pools[dst_tier].allocate(len(batch))
+        if dst_slots is None:
+            raise RuntimeError(f"plan is infeasible: {len(batch)} moves into {TIER_NAMES[dst_tier]} but it is full")
+        try:
+            self.copy_engine.before_host_read()
+            data = self.tiers[COLD].read_blocks(src_slots)
+        except CorruptBlockError:  # find the bad ones block by block; the good ones still move
+            self.pools[dst_tier].free(dst_slots)
+            return self.apply(Plan(moves=batch), batch_cold_reads=False)
+        self.tiers[dst_tier].write_blocks(dst_slots, data)
+        for move, src_slot, dst_slot in zip(batch, src_slots, dst_slots):
+            self._free_slot(COLD, src_slot)
+            self.index.move(move.block_id, dst_tier, dst_slot)
+        num_bytes = len(batch) * self.layout.block_bytes
+        self.bytes_moved[f"cold->{TIER_NAMES[dst_tier]}"] += num_bytes
+        if dst_tier == HOT:
+            self.link_monitor.record(num_bytes)
+        return []
 
     def verify(self, block_ids: list[int]) -> list[int]:
         """Check the cold blocks among `block_ids` against their checksums (the only tier whose

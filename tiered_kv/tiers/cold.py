@@ -138,14 +138,24 @@ class ColdTier:
     # ---- whole blocks ----------------------------------------------------------------------
     def read_blocks(self, slots: list[int]) -> torch.Tensor:
         out = np.empty((len(slots), *self.layout.record_shape()), dtype=self._np_dtype)
-        for i, slot in enumerate(slots):
-            if self.valid[slot].all():
-                self.io.read_into(out[i], self._offset(slot))
-                for layer in range(self.layout.num_layers):
-                    self._check(slot, layer, out[i, layer])
-            else:
+        packed = self.record_stride_bytes == self.layout.block_bytes  # records back to back on disk
+        i = 0
+        while i < len(slots):
+            slot = slots[i]
+            if not self.valid[slot].all():
                 for layer in range(self.layout.num_layers):
                     self._read_layer_slice(slot, layer, out[i, layer])
+                i += 1
+                continue
+            run = 1  # one preadv for a run of consecutive, fully written slots
+            while (packed and i + run < len(slots) and slots[i + run] == slot + run
+                   and self.valid[slot + run].all()):
+                run += 1
+            self.io.read_into(out[i:i + run], self._offset(slot))
+            for k in range(run):
+                for layer in range(self.layout.num_layers):
+                    self._check(slot + k, layer, out[i + k, layer])
+            i += run
         return self._to_torch(out)
 
     def write_blocks(self, slots: list[int], data: torch.Tensor) -> None:
