@@ -262,3 +262,26 @@ def test_corrupt_block_inside_a_batched_promotion_is_dropped_and_the_rest_kept(t
     follow = model.generate(follow_ids, cache=bank, max_new_tokens=5, do_sample=False)
     assert torch.equal(follow, model.generate(follow_ids, max_new_tokens=5, do_sample=False))
     bank.close()
+
+
+def test_moves_larger_than_the_staging_buffer_go_through_it_in_chunks(tmp_path, monkeypatch):
+    import tiered_kv.store
+
+    model = tiny_model("llama")
+    block_bytes = 2 * 2 * 2 * 4 * 16 * 4
+    monkeypatch.setattr(tiered_kv.store, "STAGING_BYTES", 3 * block_bytes)  # 3 blocks per chunk
+    config = tier_config("all_hot", tmp_path)
+    config["cold"]["capacity_blocks"] = 64
+    bank = tiered_kv.CacheBank(model.config, config)
+    ids = _ids(50, 37)
+    bank.attach(ids)
+    out = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
+    assert bank.store._staging.shape[0] == 3
+    assert bank.offload("cold") == {"hot": 0, "warm": 0, "cold": 10}
+    follow_ids = torch.cat([out, _ids(51, 3)], 1)
+    assert bank.attach(follow_ids) == out.shape[1] - 1
+    assert bank.stats()["bank_blocks"] == {"hot": 10, "warm": 0, "cold": 0}
+    assert bank.stats()["bytes_moved"]["cold->hot"] == 10 * block_bytes
+    follow = model.generate(follow_ids, cache=bank, max_new_tokens=5, do_sample=False)
+    assert torch.equal(follow, model.generate(follow_ids, max_new_tokens=5, do_sample=False))
+    bank.close()

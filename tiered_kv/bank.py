@@ -213,8 +213,8 @@ class CacheBank(Cache):
             self._promote_or_fail()
         write_runs, read_runs = [], []
         for table in self._tables:
-            write_runs.append(self._map(table, self._seq_len, num_tokens))
-            read_runs.append(self._map(table, 0, num_tokens))
+            write_runs.append(self.store.map_range(table, self._seq_len, num_tokens))
+            read_runs.append(self.store.map_range(table, 0, num_tokens))
         all_blocks = [b for table in self._tables for b in table]
         self.store.index.touch(all_blocks)
         self.store.count_hits(all_blocks)
@@ -235,9 +235,6 @@ class CacheBank(Cache):
                 f"(hot {hot}, warm {warm}, cold {cold}); nothing was written. "
                 "Raise a tier's capacity or shorten the conversation"
             )
-
-    def _map(self, table: list[int], start: int, end: int) -> list[TierRun]:
-        return self.store.map_range(table, start, end)
 
     def _end_step(self) -> None:
         self._step = None

@@ -29,6 +29,9 @@ from .tiers import ColdTier, HotTier, WarmTier
 from .tiers.cold import lock_directory, prepare_directory
 
 
+STAGING_BYTES = 32 * 2**20  # host staging for cold-tier batches
+
+
 @dataclass
 class TierRun:
     """Tokens of one request that live in one tier: the tier's own index and where they go."""
@@ -94,6 +97,10 @@ class TierStore:
             tiers.append(None)
         self.tiers = tiers
         self.pools = [SlotPool(n, TIER_NAMES[t]) for t, n in enumerate(capacities)]
+        # host buffer for moves into and out of cold, preallocated (and touched) once: batches
+        # go through it in chunks, so no move faults in fresh pages
+        staging_blocks = max(1, min(STAGING_BYTES // layout.block_bytes, max(capacities)))
+        self._staging = torch.zeros((staging_blocks, *layout.record_shape()), dtype=dtype, pin_memory=self.pinned)
         self.layout, self.dtype = layout, dtype
 
     @property
@@ -220,13 +227,13 @@ class TierStore:
         return corrupt
 
     def _take_cold_batch(self, moves: list) -> list:
-        """Pop the leading run of moves out of the cold tier to one destination (a promotion of
-        a whole chat), so it is read with few large preadv calls and written in one copy."""
+        """Pop the leading run of moves into or out of the cold tier between the same two tiers
+        (a chat offloaded or promoted whole), to go through the staging buffer in chunks."""
         first = moves[0]
-        if first.src_tier != COLD or first.dst_tier == DROPPED:
+        if COLD not in (first.src_tier, first.dst_tier) or first.dst_tier == DROPPED:
             return []
         count = 1
-        while count < len(moves) and moves[count].src_tier == COLD and moves[count].dst_tier == first.dst_tier:
+        while count < len(moves) and (moves[count].src_tier, moves[count].dst_tier) == (first.src_tier, first.dst_tier):
             count += 1
         if count < 2:
             return []
@@ -235,26 +242,39 @@ class TierStore:
         return batch
 
     def _apply_batch(self, batch: list) -> list[int]:
-        dst_tier = batch[0].dst_tier
-        src_slots = [self.index.get(m.block_id).slot for m in batch]
-        dst_slots = self.pools[dst_tier].allocate(len(batch))
-        if dst_slots is None:
-            raise RuntimeError(f"plan is infeasible: {len(batch)} moves into {TIER_NAMES[dst_tier]} but it is full")
-        try:
+        """Moves between cold and another tier, `len(staging)` blocks at a time: one preadv per
+        run of slots into the preallocated staging buffer, then one copy to the destination."""
+        src_tier, dst_tier = batch[0].src_tier, batch[0].dst_tier
+        src, dst = self.tiers[src_tier], self.tiers[dst_tier]
+        corrupt: list[int] = []
+        chunk_blocks = self._staging.shape[0]
+        for start in range(0, len(batch), chunk_blocks):
+            chunk = batch[start:start + chunk_blocks]
+            src_slots = [self.index.get(m.block_id).slot for m in chunk]
+            staging = self._staging[:len(chunk)]
             self.copy_engine.before_host_read()
-            data = self.tiers[COLD].read_blocks(src_slots)
-        except CorruptBlockError:  # find the bad ones block by block; the good ones still move
-            self.pools[dst_tier].free(dst_slots)
-            return self.apply(Plan(moves=batch), batch_cold_reads=False)
-        self.tiers[dst_tier].write_blocks(dst_slots, data)
-        for move, src_slot, dst_slot in zip(batch, src_slots, dst_slots):
-            self._free_slot(COLD, src_slot)
-            self.index.move(move.block_id, dst_tier, dst_slot)
-        num_bytes = len(batch) * self.layout.block_bytes
-        self.bytes_moved[f"cold->{TIER_NAMES[dst_tier]}"] += num_bytes
-        if dst_tier == HOT:
-            self.link_monitor.record(num_bytes)
-        return []
+            if src_tier == COLD:
+                try:
+                    src.read_blocks(src_slots, out=staging)
+                except CorruptBlockError:  # find the bad ones block by block; the good ones still move
+                    corrupt += self.apply(Plan(moves=chunk), batch_cold_reads=False)
+                    continue
+            else:
+                for i, slot in enumerate(src_slots):
+                    self.copy_engine.copy(staging[i], src.block_view(slot))
+                self.copy_engine.before_host_read()
+            dst_slots = self.pools[dst_tier].allocate(len(chunk))
+            if dst_slots is None:
+                raise RuntimeError(f"plan is infeasible: {len(chunk)} moves into {TIER_NAMES[dst_tier]} but it is full")
+            dst.write_blocks(dst_slots, staging)
+            for move, src_slot, dst_slot in zip(chunk, src_slots, dst_slots):
+                self._free_slot(src_tier, src_slot)
+                self.index.move(move.block_id, dst_tier, dst_slot)
+            num_bytes = len(chunk) * self.layout.block_bytes
+            self.bytes_moved[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += num_bytes
+            if HOT in (src_tier, dst_tier):
+                self.link_monitor.record(num_bytes)
+        return corrupt
 
     def verify(self, block_ids: list[int]) -> list[int]:
         """Check the cold blocks among `block_ids` against their checksums (the only tier whose

@@ -136,8 +136,13 @@ class ColdTier:
         return slot * self.record_stride_bytes + layer * self.layout.layer_bytes
 
     # ---- whole blocks ----------------------------------------------------------------------
-    def read_blocks(self, slots: list[int]) -> torch.Tensor:
-        out = np.empty((len(slots), *self.layout.record_shape()), dtype=self._np_dtype)
+    def read_blocks(self, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Whole blocks; into `out` (a CPU `[n, L, 2, H, bs, D]` buffer, e.g. the store's
+        preallocated staging) when given, so large promotions fault in no fresh pages."""
+        if out is None:
+            out = self._to_torch(np.empty((len(slots), *self.layout.record_shape()), dtype=self._np_dtype))
+        result = out
+        out = self._to_numpy(out)  # a view: reads land in `result`
         packed = self.record_stride_bytes == self.layout.block_bytes  # records back to back on disk
         i = 0
         while i < len(slots):
@@ -156,7 +161,7 @@ class ColdTier:
                 for layer in range(self.layout.num_layers):
                     self._check(slot + k, layer, out[i + k, layer])
             i += run
-        return self._to_torch(out)
+        return result
 
     def write_blocks(self, slots: list[int], data: torch.Tensor) -> None:
         host = self._to_numpy(data)
@@ -230,6 +235,7 @@ class ColdTier:
 
     # ---- conversions -----------------------------------------------------------------------
     def _to_numpy(self, tensor: torch.Tensor) -> np.ndarray:
+        """A numpy view of `tensor` when it is a contiguous CPU tensor, else of a host copy."""
         host = tensor.detach().to("cpu").contiguous()
         if self.layout.dtype_name == "bfloat16":
             host = host.view(torch.uint16)
