@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+NO_TIER = -1  # the tier of a corrupt block: it keeps its id but holds no slot and no data
+
 
 @dataclass
 class BlockEntry:
-    tier: int  # HOT/WARM/COLD, or -1 while the block is corrupt and holds no slot
+    tier: int  # HOT/WARM/COLD, or NO_TIER while the block is corrupt
     slot: int
     ref_count: int = 1
     last_access: int = 0

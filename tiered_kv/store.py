@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .block_index import BlockIndex
+from .block_index import NO_TIER, BlockIndex
 from .blocks import KVLayout
 from .config import Config, load_config
 from .errors import CapacityError, CorruptBlockError, LayoutError
@@ -298,7 +298,7 @@ class TierStore:
         self.corrupt_block_ids.add(block_id)
         if entry.tier >= 0:
             self._free_slot(entry.tier, entry.slot)
-            self.index.move(block_id, -1, -1)
+            self.index.move(block_id, NO_TIER, -1)
 
     def _copy_data(self, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
         src, dst = self.tiers[src_tier], self.tiers[dst_tier]
@@ -318,47 +318,45 @@ class TierStore:
     # ---- per-step token access -------------------------------------------------------------
     def map_tokens(self, block_ids: list[int], offsets: list[int]) -> list[TierRun]:
         """Group tokens (given as block id + offset in block) by the tier holding them."""
-        tiers = [self.index.get(b).tier for b in block_ids]
-        if any(b in self.corrupt_block_ids for b in set(block_ids)):
-            bad = sorted(set(block_ids) & self.corrupt_block_ids)
-            raise CorruptBlockError(f"blocks {bad} failed their checksum and must be recomputed")
-        if all(t == tiers[0] for t in tiers):
-            slots = [self.index.get(b).slot for b in block_ids]
-            return [TierRun(tiers[0], self.tiers[tiers[0]].token_index(slots, offsets), None)]
-        runs = []
-        for tier in (HOT, WARM, COLD):
-            picked = [i for i, t in enumerate(tiers) if t == tier]
-            if not picked:
-                continue
-            slots = [self.index.get(block_ids[i]).slot for i in picked]
-            index = self.tiers[tier].token_index(slots, [offsets[i] for i in picked])
-            runs.append(TierRun(tier, index, torch.tensor(picked, dtype=torch.long, device=self.device)))
-        return runs
+        entries = [self.index.get(b) for b in block_ids]
+        self._check_not_corrupt(block_ids, entries)
+        return self._group_by_tier(
+            np.fromiter((e.tier for e in entries), dtype=np.int64, count=len(entries)),
+            np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries)),
+            np.asarray(offsets, dtype=np.int64),
+        )
 
     def map_range(self, block_ids: list[int], start_token: int, end_token: int) -> list[TierRun]:
-        """Like map_tokens for tokens [start_token, end_token) of a block table, built per block
+        """map_tokens for tokens [start_token, end_token) of a block table, built per block
         (numpy), not per token: this runs every decode step over the whole context."""
         bs = self.layout.block_size
         first, last = start_token // bs, (end_token - 1) // bs
         blocks = block_ids[first:last + 1]
         entries = [self.index.get(b) for b in blocks]
-        if any(e.tier < 0 for e in entries):
-            bad = sorted(b for b, e in zip(blocks, entries) if e.tier < 0)
-            raise CorruptBlockError(f"blocks {bad} failed their checksum and must be recomputed")
+        self._check_not_corrupt(blocks, entries)
         lo, hi = start_token - first * bs, end_token - first * bs
         block_tiers = np.fromiter((e.tier for e in entries), dtype=np.int64, count=len(entries))
         block_slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
-        if (block_tiers == block_tiers[0]).all():
-            tier = int(block_tiers[0])
-            if tier == HOT and len(blocks) > 0 and (np.diff(block_slots) == 1).all():
-                base = int(block_slots[0]) * bs
-                return [TierRun(HOT, slice(base + lo, base + hi), None)]
-            slots = np.repeat(block_slots, bs)[lo:hi]
-            offsets = np.tile(np.arange(bs, dtype=np.int64), len(blocks))[lo:hi]
+        if (block_tiers == HOT).all() and (np.diff(block_slots) == 1).all():
+            base = int(block_slots[0]) * bs  # consecutive hot slots: one slice of the slab
+            return [TierRun(HOT, slice(base + lo, base + hi), None)]
+        return self._group_by_tier(
+            np.repeat(block_tiers, bs)[lo:hi],
+            np.repeat(block_slots, bs)[lo:hi],
+            np.tile(np.arange(bs, dtype=np.int64), len(blocks))[lo:hi],
+        )
+
+    @staticmethod
+    def _check_not_corrupt(block_ids: list[int], entries) -> None:
+        if any(e.tier == NO_TIER for e in entries):
+            bad = sorted({b for b, e in zip(block_ids, entries) if e.tier == NO_TIER})
+            raise CorruptBlockError(f"blocks {bad} failed their checksum and must be recomputed")
+
+    def _group_by_tier(self, token_tiers: np.ndarray, slots: np.ndarray, offsets: np.ndarray) -> list[TierRun]:
+        """One TierRun per tier holding some of the tokens (positions None when one tier holds all)."""
+        if (token_tiers == token_tiers[0]).all():
+            tier = int(token_tiers[0])
             return [TierRun(tier, self.tiers[tier].token_index(slots, offsets), None)]
-        token_tiers = np.repeat(block_tiers, bs)[lo:hi]
-        slots = np.repeat(block_slots, bs)[lo:hi]
-        offsets = np.tile(np.arange(bs, dtype=np.int64), len(blocks))[lo:hi]
         runs = []
         for tier in (HOT, WARM, COLD):
             picked = np.nonzero(token_tiers == tier)[0]
