@@ -215,11 +215,15 @@ class CacheBank(Cache):
         for table in self._tables:
             write_runs.append(self.store.map_range(table, self._seq_len, num_tokens))
             read_runs.append(self.store.map_range(table, 0, num_tokens))
-        all_blocks = [b for table in self._tables for b in table]
+        all_blocks = self._all_block_ids()
         self.store.index.touch(all_blocks)
         self.store.count_hits(all_blocks)
         self._seq_len = num_tokens
         self._step = _Step(num_new, num_tokens, write_runs, read_runs)
+
+    def _all_block_ids(self) -> list[int]:
+        """Every row's blocks, row after row (a block shared by rows appears once per row)."""
+        return [b for table in self._tables for b in table]
 
     def _check_fits(self, num_rows: int, num_tokens: int) -> None:
         """CapacityError when `num_rows` sequences of `num_tokens` cannot fit in all tiers at once."""
@@ -296,7 +300,7 @@ class CacheBank(Cache):
     def _promote(self) -> int | None:
         """Move this bank's blocks up the tiers. Returns the first token position that had to be
         dropped because its block failed a checksum (the bank is truncated there), else None."""
-        blocks = [b for table in self._tables for b in table]
+        blocks = self._all_block_ids()
         if all(self.store.index.get(b).tier == HOT for b in blocks):
             return None
         # most recent blocks first: they are the likeliest to be read again soon
@@ -380,7 +384,7 @@ class CacheBank(Cache):
         stats()["bank_blocks"] afterwards: blocks that found no room stay where they were."""
         if tier not in ("warm", "cold"):
             raise ValueError(f"offload(tier={tier!r}): allowed 'warm' or 'cold'")
-        blocks = [b for table in self._tables for b in table]
+        blocks = self._all_block_ids()
         if blocks:
             self.store.demote(blocks, TIER_NAMES.index(tier))
         return self.stats()["bank_blocks"]
