@@ -461,7 +461,7 @@ def run_benchmark(model, tokenizer, args, placements, cold_root: str) -> dict:
     maker = TurnMaker(tokenizer, model.config.vocab_size, args.seed)
     configs = configs_in("turns")
     section_s = {}
-    banks = {p: tiered_kv.CacheBank(model.config, configs[p]) for p in placements}
+    banks = {p: tiered_kv.CacheBank(model, configs[p]) for p in placements}
     try:
         started = time.perf_counter()
         rows = run_turns(model, maker, banks, args)
@@ -474,7 +474,7 @@ def run_benchmark(model, tokenizer, args, placements, cold_root: str) -> dict:
         decode_configs = configs_in("decode")
         started = time.perf_counter()
         decode_rows = run_decode_at_context(
-            model, maker, lambda p: tiered_kv.CacheBank(model.config, decode_configs[p]),
+            model, maker, lambda p: tiered_kv.CacheBank(model, decode_configs[p]),
             [p for p in placements if p not in OFFLOADED], args)  # offloaded ones decode from hot
         section_s["decode_at_context"] = time.perf_counter() - started
     return {"tier_configs": configs, "turns": rows, "decode_at_context": decode_rows, "section_s": section_s}
@@ -523,7 +523,7 @@ def _warm_up(model, maker: TurnMaker, configs: dict) -> None:
     ids = maker.next_turn(48, first=True)
     timed_generate(model, ids, DynamicCache(config=model.config), 4)
     for config in configs.values():
-        bank = tiered_kv.CacheBank(model.config, config)
+        bank = tiered_kv.CacheBank(model, config)
         try:
             timed_generate(model, ids, bank, 4, bank=bank)
         finally:

@@ -34,7 +34,7 @@ def test_conversation_larger_than_all_tiers_fails_before_writing(tmp_path):
     model = tiny_model("llama")
     config = tier_config("forces_cold", tmp_path)
     config["cold"]["capacity_blocks"] = 4  # 2 + 3 + 4 = 9 blocks of 4 tokens = 36 tokens in all
-    bank = tiered_kv.CacheBank(model.config, config)
+    bank = tiered_kv.CacheBank(model, config)
     out = model.generate(_ids(1, 10), cache=bank, max_new_tokens=4, do_sample=False)
     before = bank.stats()
     with pytest.raises(tiered_kv.CapacityError, match=r"needs 11 blocks .* hold 9 blocks"):
@@ -58,7 +58,7 @@ def test_unwritable_cold_path_is_a_config_error(tmp_path):
     blocker.write_text("not a directory")
     model = tiny_model("llama")
     with pytest.raises(tiered_kv.ConfigError, match="cold.path"):
-        tiered_kv.CacheBank(model.config, tier_config("forces_cold", blocker / "cold"))
+        tiered_kv.CacheBank(model, tier_config("forces_cold", blocker / "cold"))
 
 
 def test_model_config_without_kv_head_info_is_rejected():
@@ -69,18 +69,18 @@ def test_model_config_without_kv_head_info_is_rejected():
 
 def test_model_on_other_device_than_hot_tier_is_rejected(tmp_path):
     model = tiny_model("llama")
-    bank = tiered_kv.CacheBank(model.config, tier_config("all_hot", tmp_path))
+    bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))
     k = torch.zeros(1, 2, 3, 16, dtype=torch.float64)
     bank.update(k, k, 0)  # float64 binds the store to float64
     with pytest.raises(tiered_kv.LayoutError, match="serves KV layout"):
-        other = tiered_kv.CacheBank(model.config, store=bank.store)
+        other = tiered_kv.CacheBank(model, store=bank.store)
         other.update(k.float(), k.float(), 0)
 
 
 @pytest.mark.parametrize("kind", ("all_hot", "forces_warm", "forces_cold"))
 def test_crop_and_reset_match_dynamic_cache(kind, tmp_path):
     model = tiny_model("llama")
-    bank = tiered_kv.CacheBank(model.config, tier_config(kind, tmp_path))
+    bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path))
     dynamic = DynamicCache(config=model.config)
     ids = _ids(4, 17)
     model(ids, past_key_values=bank)
@@ -99,13 +99,15 @@ def test_crop_and_reset_match_dynamic_cache(kind, tmp_path):
     bank.reset()
     stats = bank.stats()
     assert bank.get_seq_length() == 0
-    assert sum(t["used_blocks"] for t in stats["tiers"].values()) == 0
+    assert stats["bank_blocks"] == {"hot": 0, "warm": 0, "cold": 0}
+    # what stays used is the published full blocks of the verified 17 + 3 tokens, kept as cache
+    assert sum(t["used_blocks"] for t in stats["tiers"].values()) == 20 // 4
     bank.close()
 
 
 def test_batch_select_and_repeat_interleave_match_dynamic_cache(tmp_path):
     model = tiny_model("llama")
-    bank = tiered_kv.CacheBank(model.config, tier_config("forces_warm", tmp_path))
+    bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
     dynamic = DynamicCache(config=model.config)
     ids = torch.cat([_ids(6, 9), _ids(7, 9)], 0)
     model(ids, past_key_values=bank)
@@ -122,7 +124,7 @@ def test_batch_select_and_repeat_interleave_match_dynamic_cache(tmp_path):
 
 def test_all_hot_contiguous_blocks_are_returned_without_copy(tmp_path):
     model = tiny_model("llama")
-    bank = tiered_kv.CacheBank(model.config, tier_config("all_hot", tmp_path))
+    bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))
     k = torch.randn(1, 2, 10, 16)
     keys, values = bank.update(k, k + 1, 0)
     slab = bank.store.tiers[0].slab
@@ -133,7 +135,7 @@ def test_all_hot_contiguous_blocks_are_returned_without_copy(tmp_path):
 
 def test_attach_crops_to_the_matching_prefix(tmp_path):
     model = tiny_model("llama")
-    bank = tiered_kv.CacheBank(model.config, tier_config("forces_warm", tmp_path))
+    bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
     ids = _ids(12, 20)
     out = model.generate(ids, cache=bank, max_new_tokens=5, do_sample=False)
     assert bank.attach(out) == out.shape[1] - 1  # everything but the last token, which must be computed
@@ -148,13 +150,13 @@ def test_attach_crops_to_the_matching_prefix(tmp_path):
 def test_attach_reuses_blocks_of_another_bank_by_content(tmp_path):
     model = tiny_model("llama")
     store = tiered_kv.TierStore(tier_config("forces_cold", tmp_path))
-    first = tiered_kv.CacheBank(model.config, store=store)
+    first = tiered_kv.CacheBank(model, store=store)
     ids = _ids(13, 22)
     first.attach(ids)
     out = model.generate(ids, cache=first, max_new_tokens=6, do_sample=False)
     first.attach(out)  # hashes the generated tokens' blocks too
     first.close()  # blocks stay in the store as cache
-    second = tiered_kv.CacheBank(model.config, store=store)
+    second = tiered_kv.CacheBank(model, store=store)
     follow_ids = torch.cat([out, _ids(14, 3)], 1)
     reused = second.attach(follow_ids)
     assert reused == (out.shape[1] - 1) // 4 * 4  # whole blocks only
@@ -167,15 +169,15 @@ def test_attach_reuses_blocks_of_another_bank_by_content(tmp_path):
 def test_corrupted_cold_block_is_recomputed_not_served(tmp_path):
     model = tiny_model("llama")
     config = tier_config("forces_cold", tmp_path)
-    bank = tiered_kv.CacheBank(model.config, config)
+    bank = tiered_kv.CacheBank(model, config)
     ids = _ids(15, 30)
     bank.attach(ids)
     out = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
     store = bank.store
-    cold_blocks = [b for b in bank._tables[0] if store.index.get(b).tier == 2]
+    cold_blocks = [b for b in bank.block_table(0) if store.index.get(b).tier == 2]
     assert cold_blocks, "the config must have pushed history to cold"
     victim = cold_blocks[0]
-    position = bank._tables[0].index(victim)
+    position = bank.block_table(0).index(victim)
     _flip_cold_byte(store, victim, 5)
     follow_ids = torch.cat([out, _ids(16, 3)], 1)
     reused = bank.attach(follow_ids)
@@ -187,7 +189,7 @@ def test_corrupted_cold_block_is_recomputed_not_served(tmp_path):
 
 def test_stats_report_every_tier(tmp_path):
     model = tiny_model("llama")
-    bank = tiered_kv.CacheBank(model.config, tier_config("forces_cold", tmp_path))
+    bank = tiered_kv.CacheBank(model, tier_config("forces_cold", tmp_path))
     model.generate(_ids(17, 30), cache=bank, max_new_tokens=3, do_sample=False)
     stats = bank.stats()
     block_bytes = 2 * 2 * 2 * 4 * 16 * 4  # layers x K/V x kv heads x block tokens x head_dim x fp32
@@ -217,7 +219,7 @@ def test_offloaded_history_comes_back_for_the_next_turn(tier, tmp_path):
     config = tier_config("all_hot", tmp_path)
     config["warm"]["capacity_blocks"] = 64
     config["cold"]["capacity_blocks"] = 64
-    bank = tiered_kv.CacheBank(model.config, config)
+    bank = tiered_kv.CacheBank(model, config)
     ids = _ids(30, 25)
     bank.attach(ids)
     out = model.generate(ids, cache=bank, max_new_tokens=6, do_sample=False)
@@ -248,12 +250,12 @@ def test_corrupt_block_inside_a_batched_promotion_is_dropped_and_the_rest_kept(t
     model = tiny_model("llama")
     config = tier_config("all_hot", tmp_path)
     config["cold"]["capacity_blocks"] = 64
-    bank = tiered_kv.CacheBank(model.config, config)
+    bank = tiered_kv.CacheBank(model, config)
     ids = _ids(40, 30)
     bank.attach(ids)
     out = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
     bank.offload("cold")
-    _flip_cold_byte(bank.store, bank._tables[0][5], 7)
+    _flip_cold_byte(bank.store, bank.block_table(0)[5], 7)
     follow_ids = torch.cat([out, _ids(41, 3)], 1)
     assert bank.attach(follow_ids) == 5 * 4
     assert bank.stats()["bank_blocks"] == {"hot": 5, "warm": 0, "cold": 0}
@@ -263,18 +265,18 @@ def test_corrupt_block_inside_a_batched_promotion_is_dropped_and_the_rest_kept(t
 
 
 def test_moves_larger_than_the_staging_buffer_go_through_it_in_chunks(tmp_path, monkeypatch):
-    import tiered_kv.store
+    import tiered_kv.store.tier_store
 
     model = tiny_model("llama")
     block_bytes = 2 * 2 * 2 * 4 * 16 * 4
-    monkeypatch.setattr(tiered_kv.store, "STAGING_BYTES", 3 * block_bytes)  # 3 blocks per chunk
+    monkeypatch.setattr(tiered_kv.store.tier_store, "STAGING_BYTES", 3 * block_bytes)  # 3 blocks per chunk
     config = tier_config("all_hot", tmp_path)
     config["cold"]["capacity_blocks"] = 64
-    bank = tiered_kv.CacheBank(model.config, config)
+    bank = tiered_kv.CacheBank(model, config)
     ids = _ids(50, 37)
     bank.attach(ids)
     out = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
-    assert bank.store._staging.shape[0] == 3
+    assert bank.store.staging.shape[0] == 3
     assert bank.offload("cold") == {"hot": 0, "warm": 0, "cold": 10}
     follow_ids = torch.cat([out, _ids(51, 3)], 1)
     assert bank.attach(follow_ids) == out.shape[1] - 1

@@ -18,11 +18,13 @@ def _turn_ids(seed: int, length: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=generator)
 
 
+@pytest.mark.parametrize("source", ("model", "config"))
 @pytest.mark.parametrize("kind", TIER_KINDS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_multiturn_matches_dynamic_cache(arch, kind, tmp_path):
+def test_greedy_multiturn_matches_dynamic_cache(arch, kind, source, tmp_path):
+    """A bank built from the model (verified ids) and one from its config alone (private reuse)."""
     model = tiny_model(arch)
-    bank = tiered_kv.CacheBank(model.config, tier_config(kind, tmp_path))
+    bank = tiered_kv.CacheBank(model if source == "model" else model.config, tier_config(kind, tmp_path))
     dynamic = DynamicCache(config=model.config)
     ids_bank = ids_dyn = _turn_ids(0, 13)
     seen_tiers = set()
@@ -48,7 +50,7 @@ def test_greedy_multiturn_matches_dynamic_cache(arch, kind, tmp_path):
 def test_generate_without_attach_reuses_cache_like_dynamic(kind, tmp_path):
     """Plain transformers usage: pass the whole conversation again, no attach()."""
     model = tiny_model("llama")
-    bank = tiered_kv.CacheBank(model.config, tier_config(kind, tmp_path))
+    bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path))
     dynamic = DynamicCache(config=model.config)
     ids = _turn_ids(5, 10)
     for turn in range(2):
@@ -67,7 +69,7 @@ def test_beam_search_matches_dynamic_cache(arch, kind, tmp_path):
     config = tier_config(kind, tmp_path)
     if kind == "forces_cold":  # two beams need room for both rows' tails
         config["cold"]["capacity_blocks"] = 64
-    bank = tiered_kv.CacheBank(model.config, config)
+    bank = tiered_kv.CacheBank(model, config)
     kwargs = dict(max_new_tokens=8, num_beams=2, do_sample=False, early_stopping=True)
     out_bank = model.generate(ids, cache=bank, **kwargs)
     out_dyn = model.generate(ids, cache=DynamicCache(config=model.config), **kwargs)
@@ -79,7 +81,7 @@ def test_beam_search_matches_dynamic_cache(arch, kind, tmp_path):
 def test_batch_with_left_padding_matches_dynamic_cache(kind, tmp_path):
     model = tiny_model("llama")
     config = tier_config(kind, tmp_path)
-    bank = tiered_kv.CacheBank(model.config, config)
+    bank = tiered_kv.CacheBank(model, config)
     a, b = _turn_ids(11, 12), _turn_ids(12, 7)
     ids = torch.cat([a, torch.cat([torch.zeros(1, 5, dtype=torch.long), b], 1)], 0)
     mask = torch.ones_like(ids)
@@ -97,7 +99,7 @@ def test_shared_store_serves_two_chats_interleaved(tmp_path):
     comes back for its next turn; tokens still match DynamicCache."""
     model = tiny_model("llama")
     store = tiered_kv.TierStore(tier_config("forces_cold", tmp_path))
-    banks = [tiered_kv.CacheBank(model.config, store=store) for _ in range(2)]
+    banks = [tiered_kv.CacheBank(model, store=store) for _ in range(2)]
     dyns = [DynamicCache(config=model.config) for _ in range(2)]
     ids = [_turn_ids(20, 9), _turn_ids(21, 14)]
     for turn in range(3):

@@ -64,7 +64,7 @@ def test_copy_engine_copies_exactly():
 
 def test_cold_backend_auto_is_posix_without_cuda(tmp_path):
     model = tiny_model("llama")
-    bank = tiered_kv.CacheBank(model.config, tier_config("forces_cold", tmp_path))
+    bank = tiered_kv.CacheBank(model, tier_config("forces_cold", tmp_path))
     model.generate(torch.randint(3, 200, (1, 30)), cache=bank, max_new_tokens=2, do_sample=False)
     cold_io = bank.store.tiers[2].io
     assert cold_io.name == ("kvikio" if kvikio_usable() else "posix")
@@ -83,7 +83,7 @@ def test_every_tier_setup_matches_dynamic_cache_on_each_device(device, tmp_path)
     for kind in ("all_hot", "forces_warm", "forces_cold"):
         config = tier_config(kind, tmp_path / kind)
         config["hot"]["device"] = device
-        bank = tiered_kv.CacheBank(model.config, config)
+        bank = tiered_kv.CacheBank(model, config)
         assert bank.store.pinned is (device == "cuda")
         ids = torch.randint(3, 200, (1, 21), device=device)
         out_bank = model.generate(ids, cache=bank, max_new_tokens=8, do_sample=False)

@@ -101,8 +101,8 @@ def test_add_gives_sequential_ids_and_fresh_entries():
     index = BlockIndex()
     assert index.add(0, 5) == 0
     assert index.add(2, 7) == 1
-    assert index.get(0) == BlockEntry(tier=0, slot=5, ref_count=1, last_access=1, content_hash=None)
-    assert index.get(1) == BlockEntry(tier=2, slot=7, ref_count=1, last_access=2, content_hash=None)
+    assert index.get(0) == BlockEntry(tier=0, slot=5, ref_count=1, key=None)
+    assert index.get(1) == BlockEntry(tier=2, slot=7, ref_count=1, key=None)
     assert len(index) == 2
     assert 1 in index and 2 not in index
     assert index.blocks_in(0) == [0]
@@ -118,88 +118,104 @@ def test_ids_are_not_reused_after_remove():
     assert 0 not in index
 
 
-def test_incref_and_decref():
+def test_incref_and_decref_track_the_unreferenced_order():
     index = BlockIndex()
-    block = index.add(0, 0)
+    block, other = index.add(0, 0), index.add(0, 1)
     index.incref(block)
     assert index.get(block).ref_count == 2
     assert index.decref(block) == 1
+    assert list(index.unreferenced(0)) == []
+    assert index.decref(other) == 0
     assert index.decref(block) == 0
-    with pytest.raises(ValueError, match=r"^block 0: decref below zero$"):
+    assert list(index.unreferenced(0)) == [other, block]
+    with pytest.raises(ValueError, match=r"^block 0: released more often than retained \(ref_count 0\)$"):
         index.decref(block)
-    assert index.get(block).ref_count == 0
+    index.incref(other)
+    assert list(index.unreferenced(0)) == [block]
 
 
-def test_tick_and_touch_order_accesses():
+def test_touch_moves_blocks_to_the_recent_end_of_their_tier():
     index = BlockIndex()
-    a, b, c = index.add(0, 0), index.add(0, 1), index.add(1, 0)
-    assert [index.get(x).last_access for x in (a, b, c)] == [1, 2, 3]
-    assert index.tick() == 4
-    index.touch([a, c])
-    assert [index.get(x).last_access for x in (a, b, c)] == [5, 2, 5]
-    index.touch([b], now=42)
-    assert [index.get(x).last_access for x in (a, b, c)] == [5, 42, 5]
-    assert index.tick() == 6  # an explicit `now` does not advance the clock
+    a, b, c, d = index.add(0, 0), index.add(0, 1), index.add(0, 2), index.add(1, 0)
+    assert list(index.recency(0)) == [a, b, c]
+    version = index.order_version
+    index.touch([a, d])
+    assert list(index.recency(0)) == [b, c, a]
+    assert list(index.recency(1)) == [d]
+    assert index.order_version > version
 
 
-def test_move_changes_placement_only():
+def test_move_changes_placement_and_enters_the_new_tier_as_most_recent():
     index = BlockIndex()
-    block = index.add(0, 3)
-    index.set_hash(block, b"h")
+    block, other = index.add(0, 3), index.add(2, 0)
+    index.publish(block, b"h")
+    version = index.placement_version
     index.move(block, 2, 9)
-    assert index.get(block) == BlockEntry(tier=2, slot=9, ref_count=1, last_access=1, content_hash=b"h")
-    assert index.blocks_in(0) == [] and index.blocks_in(2) == [block]
+    assert index.get(block) == BlockEntry(tier=2, slot=9, ref_count=1, key=b"h")
+    assert index.blocks_in(0) == [] and index.blocks_in(2) == [other, block]
+    assert index.placement_version > version
 
 
-def test_set_hash_lookup_and_clear_hash():
+def test_publish_lookup_and_unpublish():
     index = BlockIndex()
     block = index.add(0, 0)
     assert index.lookup(b"abc") is None
-    assert index.set_hash(block, b"abc") == block
+    assert index.publish(block, b"abc")
     assert index.lookup(b"abc") == block
-    assert index.get(block).content_hash == b"abc"
-    index.clear_hash(block)
+    assert index.get(block).key == b"abc"
+    index.unpublish(block)
     assert index.lookup(b"abc") is None
-    assert index.get(block).content_hash is None
+    assert index.get(block).key is None
 
 
-def test_second_block_with_same_hash_does_not_steal_it():
+def test_second_block_with_same_key_does_not_steal_it():
     index = BlockIndex()
     first, second = index.add(0, 0), index.add(0, 1)
-    assert index.set_hash(first, b"same") == first
-    assert index.set_hash(second, b"same") == first
+    assert index.publish(first, b"same")
+    assert not index.publish(second, b"same")
     assert index.lookup(b"same") == first
-    assert index.get(second).content_hash is None
-    # clearing the non-owner leaves the owner's registration alone
-    index.clear_hash(second)
+    assert index.get(second).key is None
+    index.unpublish(second)  # unpublishing the non-owner leaves the owner alone
     assert index.lookup(b"same") == first
-    # once the owner gives it up, the other block can take it
-    index.clear_hash(first)
-    assert index.set_hash(second, b"same") == second
+    index.unpublish(first)  # once the owner gives it up, the other block can take it
+    assert index.publish(second, b"same")
     assert index.lookup(b"same") == second
 
 
-def test_remove_clears_the_hash_and_returns_the_entry():
+def test_remove_unpublishes_and_returns_the_entry():
     index = BlockIndex()
     block = index.add(1, 4)
-    index.set_hash(block, b"h1")
+    index.publish(block, b"h1")
     entry = index.remove(block)
-    assert entry == BlockEntry(tier=1, slot=4, ref_count=1, last_access=1, content_hash=b"h1")
+    assert (entry.tier, entry.slot, entry.ref_count) == (1, 4, 1)
     assert index.lookup(b"h1") is None
     assert block not in index
     assert len(index) == 0
+    assert index.blocks_in(1) == []
 
 
-def test_rehashed_block_leaves_no_stale_hash_behind():
-    """A block given a new hash must not stay findable under its old one (least of all after removal)."""
+def test_republished_block_leaves_no_stale_key_behind():
     index = BlockIndex()
     block = index.add(0, 0)
-    index.set_hash(block, b"old")
-    index.set_hash(block, b"new")
+    index.publish(block, b"old")
+    index.publish(block, b"new")
+    assert index.lookup(b"old") is None
     assert index.lookup(b"new") == block
     index.remove(block)
     assert index.lookup(b"new") is None
-    assert index.lookup(b"old") is None
+
+
+def test_corrupt_block_leaves_its_tier_and_its_key():
+    index = BlockIndex()
+    block = index.add(2, 3)
+    index.publish(block, b"k")
+    index.mark_corrupt(block)
+    assert index.get(block).is_corrupt
+    assert index.lookup(b"k") is None
+    assert index.blocks_in(2) == []
+    assert not index.publish(block, b"k")  # a corrupt block is never published again
+    index.remove(block)
+    assert block not in index
 
 
 @pytest.mark.parametrize("call", [
@@ -208,8 +224,8 @@ def test_rehashed_block_leaves_no_stale_hash_behind():
     lambda index: index.incref(7),
     lambda index: index.decref(7),
     lambda index: index.move(7, 0, 0),
-    lambda index: index.set_hash(7, b"x"),
-    lambda index: index.clear_hash(7),
+    lambda index: index.publish(7, b"x"),
+    lambda index: index.unpublish(7),
 ])
 def test_unknown_block_raises_key_error_naming_it(call):
     index = BlockIndex()

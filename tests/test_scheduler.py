@@ -7,23 +7,29 @@ from tiered_kv.scheduler import (ALLOWED_POLICIES, COLD, DROPPED, HOT, WARM, Mem
 
 
 def make_index(blocks):
-    """blocks: list of (tier, last_access) or (tier, last_access, ref_count[, content_hash]).
+    """blocks: list of (tier, last_access) or (tier, last_access, ref_count[, key]).
 
-    Block i gets id i and slot = its position within its tier."""
+    Block i gets id i and slot = its position within its tier; blocks are then touched in order
+    of last_access (ties by id), which sets each tier's recency order."""
     index = BlockIndex()
     next_slot = [0, 0, 0]
     for spec in blocks:
         tier, last_access, *rest = spec
         ref_count = rest[0] if rest else 1
-        content_hash = rest[1] if len(rest) > 1 else None
+        key = rest[1] if len(rest) > 1 else None
         block_id = index.add(tier, next_slot[tier])
         next_slot[tier] += 1
-        index.touch([block_id], now=last_access)
         for _ in range(1 - ref_count):
             index.decref(block_id)
-        if content_hash is not None:
-            index.set_hash(block_id, content_hash)
+        if key is not None:
+            index.publish(block_id, key)
+    for block_id in sorted(range(len(blocks)), key=lambda b: (blocks[b][1], b)):
+        index.touch([block_id])
     return index
+
+
+def recency(index, tier):
+    return list(index.recency(tier))
 
 
 def free_of(index, capacities):
@@ -36,9 +42,11 @@ def plan_new(index, num_new, capacities):
 
 
 def test_make_index_helper():
-    index = make_index([(HOT, 5), (COLD, 3, 0, b"h")])
-    assert (index.get(0).tier, index.get(0).slot, index.get(0).last_access, index.get(0).ref_count) == (HOT, 0, 5, 1)
-    assert (index.get(1).tier, index.get(1).last_access, index.get(1).ref_count) == (COLD, 3, 0)
+    index = make_index([(HOT, 5), (COLD, 3, 0, b"h"), (HOT, 2)])
+    assert (index.get(0).tier, index.get(0).slot, index.get(0).ref_count) == (HOT, 0, 1)
+    assert (index.get(1).tier, index.get(1).ref_count) == (COLD, 0)
+    assert recency(index, HOT) == [2, 0]
+    assert list(index.unreferenced(COLD)) == [1]
     assert index.lookup(b"h") == 1
 
 
@@ -86,11 +94,13 @@ def test_full_hot_and_warm_cascade_warm_lru_to_cold_first():
     assert [str(m) for m in plan.moves] == ["block 3: warm -> cold", "block 1: hot -> warm"]
 
 
-def test_demoted_block_keeps_its_age_in_the_tier_below():
-    # the block pushed out of hot (t=1) is older than warm's blocks, so it goes on to cold next
+def test_a_demoted_block_enters_the_tier_below_as_its_most_recent():
+    # a block pushed out of hot counts as just arrived in warm: warm's own LRU block goes first.
+    # (Hot evicts in LRU order, so arrivals into warm come in LRU order too; keeping arrival
+    # order avoids sorting a tier on every move.)
     index = make_index([(HOT, 1), (WARM, 5), (WARM, 6)])
     plan = plan_new(index, 2, [1, 2, 4])
-    assert plan.moves == [Move(1, WARM, COLD), Move(0, HOT, WARM), Move(0, WARM, COLD)]
+    assert plan.moves == [Move(1, WARM, COLD), Move(0, HOT, WARM), Move(2, WARM, COLD)]
     assert plan.new_block_tiers == [HOT, WARM]
 
 
@@ -179,12 +189,14 @@ def test_protected_blocks_are_never_moved():
 
 def test_planning_does_not_change_the_index():
     index = make_index([(HOT, 5), (HOT, 2), (WARM, 4), (WARM, 1), (COLD, 0)])
-    before = {b: (e.tier, e.slot, e.last_access, e.ref_count) for b, e in index.items()}
+    before = {b: (e.tier, e.slot, e.ref_count) for b, e in index.items()}
+    before_order = [recency(index, t) for t in (HOT, WARM, COLD)]
     free = [0, 0, 1]
     plan_new_blocks = MemScheduler().plan_new_blocks(1, index, free, [2, 2, 2])
     assert plan_new_blocks is not None
     assert free == [0, 0, 1]
-    assert {b: (e.tier, e.slot, e.last_access, e.ref_count) for b, e in index.items()} == before
+    assert {b: (e.tier, e.slot, e.ref_count) for b, e in index.items()} == before
+    assert [recency(index, t) for t in (HOT, WARM, COLD)] == before_order
 
 
 # --- plan_promotion --------------------------------------------------------------------------

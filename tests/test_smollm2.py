@@ -44,7 +44,7 @@ def test_smollm2_three_turns_match_dynamic_cache(smollm2, kind, tmp_path):
     hot, warm, cold = SIZES[kind]
     config = {"block_size": 16, "hot": {"device": "cpu", "capacity_blocks": hot},
               "warm": {"capacity_blocks": warm}, "cold": {"capacity_blocks": cold, "path": str(tmp_path)}}
-    bank = tiered_kv.CacheBank(model.config, config)
+    bank = tiered_kv.CacheBank(model, config)
     dynamic = DynamicCache(config=model.config)
     ids = None
     for turn, text in enumerate(USER_TURNS):

@@ -155,13 +155,15 @@ def test_capacity_error_changes_nothing(make_store):
     store = make_store(1, 1, 1)
     assert allocate_one_by_one(store, 3) == [0, 1, 2]
     before_stats = store.stats()
-    before_index = {b: (e.tier, e.slot, e.ref_count, e.last_access) for b, e in store.index.items()}
+    before_index = {b: (e.tier, e.slot, e.ref_count) for b, e in store.index.items()}
+    before_order = [list(store.index.recency(t)) for t in (HOT, WARM, COLD)]
     with pytest.raises(CapacityError, match=r"need 1 more blocks of 4 tokens \(512 bytes each\) but all tiers "
                                             r"together hold 3 \(hot 1, warm 1, cold 1\) and 3 are in use"):
         store.allocate(1)
     assert used(store) == [1, 1, 1]
     assert store.stats()["bytes_moved"] == before_stats["bytes_moved"]
-    assert {b: (e.tier, e.slot, e.ref_count, e.last_access) for b, e in store.index.items()} == before_index
+    assert {b: (e.tier, e.slot, e.ref_count) for b, e in store.index.items()} == before_index
+    assert [list(store.index.recency(t)) for t in (HOT, WARM, COLD)] == before_order
 
 
 def test_capacity_error_for_a_request_larger_than_every_tier(make_store):
@@ -179,7 +181,7 @@ def test_cached_block_behind_a_referenced_lru_block_is_dropped(make_store):
     store = make_store(1, 1, 2)
     assert allocate_one_by_one(store, 4) == [0, 1, 2, 3]
     assert tiers_of(store, [0, 1, 2, 3]) == [COLD, COLD, WARM, HOT]
-    store.register_hash(1, b"cached")
+    assert store.publish(1, b"cached")
     store.release([1])
     assert store.allocate(1) == [4]
     assert 1 not in store.index
@@ -225,28 +227,29 @@ def test_released_cold_block_is_forgotten(make_store):
 def test_hashed_block_without_references_stays_cached(make_store):
     store = make_store(2, 1, 1)
     assert store.allocate(2) == [0, 1]
-    assert store.register_hash(0, b"prefix") == 0
-    assert store.register_hash(1, b"prefix") == 0  # the older block keeps the hash
+    assert store.publish(0, b"prefix")
+    assert not store.publish(1, b"prefix")  # the first block keeps the key
     store.release([0])
     assert 0 in store.index and store.index.get(0).ref_count == 0
-    assert store.lookup(b"prefix") == 0
+    assert store.index.lookup(b"prefix") == 0
     assert used(store) == [2, 0, 0]
-    store.retain([0])  # reused through the cache
+    assert store.lookup_and_retain([b"prefix", b"missing"]) == [0]  # reused through the cache
     assert store.index.get(0).ref_count == 1
-    store.unregister_hash(0)
-    assert store.lookup(b"prefix") is None
+    assert store.stats()["misses"] == 1
+    store.index.unpublish(0)
+    assert store.index.lookup(b"prefix") is None
 
 
 def test_cached_block_is_dropped_when_space_is_needed(make_store):
     store = make_store(1, 1, 1)
     assert allocate_one_by_one(store, 3) == [0, 1, 2]
     assert tiers_of(store, [0, 1, 2]) == [COLD, WARM, HOT]
-    store.register_hash(0, b"old")
+    store.publish(0, b"old")
     store.release([0])
-    assert store.lookup(b"old") == 0
+    assert store.index.lookup(b"old") == 0
     assert store.allocate(1) == [3]
     assert 0 not in store.index
-    assert store.lookup(b"old") is None
+    assert store.index.lookup(b"old") is None
     assert tiers_of(store, [1, 2, 3]) == [COLD, WARM, HOT]
     assert used(store) == [1, 1, 1]
     check_pools_match_index(store)
@@ -414,12 +417,12 @@ def test_corrupt_cold_block_found_by_promote_is_never_served(make_store):
     assert allocate_one_by_one(store, 3) == [0, 1, 2]
     assert tiers_of(store, [0, 1, 2]) == [COLD, WARM, HOT]
     write_block(store, 0, block_data(1))
-    store.register_hash(0, b"h0")
+    store.publish(0, b"h0")
     flip_cold_byte(store, 0)
     assert store.promote([0]) == [0]
-    assert store.corrupt_block_ids == {0}
-    assert store.lookup(b"h0") is None
-    assert store.index.get(0).content_hash is None
+    assert store.index.get(0).is_corrupt
+    assert store.index.lookup(b"h0") is None
+    assert store.index.get(0).key is None
     with pytest.raises(CorruptBlockError, match=r"blocks \[0\] failed their checksum"):
         store.map_tokens([2, 0], [0, 0])
     # the moves that made room went through; the corrupt block gave its cold slot back and
@@ -429,7 +432,7 @@ def test_corrupt_cold_block_found_by_promote_is_never_served(make_store):
     check_pools_match_index(store)
     # releasing it forgets it
     store.release([0])
-    assert 0 not in store.index and store.corrupt_block_ids == set()
+    assert 0 not in store.index
     assert used(store) == [0, 1, 1]
 
 
@@ -444,7 +447,7 @@ def test_corrupt_block_does_not_derail_the_rest_of_a_promotion(make_store):
     write_block(store, 1, data1)
     flip_cold_byte(store, 0)
     assert store.promote([0, 1]) == [0]
-    assert store.corrupt_block_ids == {0}
+    assert [store.index.get(b).is_corrupt for b in (0, 1)] == [True, False]
     assert torch.equal(read_block(store, 1), data1)
     check_pools_match_index(store)
 
@@ -464,7 +467,7 @@ def test_corrupt_block_read_through_map_tokens_raises(make_store):
 def test_stats_report_every_tier(make_store):
     store = make_store(2, 3, 4)
     store.allocate(4)
-    store.count_hits([0, 1, 2])
+    store.count_hits({HOT: 2, WARM: 1})
     stats = store.stats()
     assert set(stats) == {"tiers", "hits", "misses", "bytes_moved", "link_saturation"}
     assert stats["tiers"]["hot"] == {"used_blocks": 2, "capacity_blocks": 2, "used_bytes": 1024,

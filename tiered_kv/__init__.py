@@ -2,7 +2,7 @@
 
 from .bank import CacheBank
 from .config import Config, load_config
-from .errors import CapacityError, ConfigError, CorruptBlockError, LayoutError
+from .errors import BankClosedError, CapacityError, ConfigError, CorruptBlockError, LayoutError
 from .store import TierStore
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "CapacityError",
     "CorruptBlockError",
     "LayoutError",
+    "BankClosedError",
 ]
 __version__ = "0.1.0"

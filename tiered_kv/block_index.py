@@ -2,15 +2,24 @@
 
 A logical block id is stable while the block moves between tiers; (tier, slot) changes. A block
 is referenced by the block tables of the banks that hold it (`ref_count`). A full block whose
-tokens are known gets a content hash (a chain over its prefix); a hashed block that no bank
+token ids were verified gets a published key (see identity.py); a published block that no bank
 references stays as evictable cache so a later `attach` can reuse it.
+
+Orderings are kept incrementally, so that a placement decision never sorts the whole store:
+per tier, every block in recency order (oldest first) and, separately, the unreferenced ones
+(the only ones that may be dropped). A block that arrives in a tier, by allocation or by a move,
+enters at the recent end; `touch` moves blocks there too. `order_version` changes whenever any
+ordering changes and `placement_version` whenever any block changes tier or slot, so a bank can
+tell in O(1) that nothing moved since its last step.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 NO_TIER = -1  # the tier of a corrupt block: it keeps its id but holds no slot and no data
+NUM_TIERS = 3
 
 
 @dataclass
@@ -18,60 +27,102 @@ class BlockEntry:
     tier: int  # HOT/WARM/COLD, or NO_TIER while the block is corrupt
     slot: int
     ref_count: int = 1
-    last_access: int = 0
-    content_hash: bytes | None = None
+    key: bytes | None = None  # published key (verified content), or None
+
+    @property
+    def is_corrupt(self) -> bool:
+        return self.tier == NO_TIER
 
 
 class BlockIndex:
     def __init__(self) -> None:
         self._entries: dict[int, BlockEntry] = {}
-        self._by_hash: dict[bytes, int] = {}
+        self._by_key: dict[bytes, int] = {}
+        self._recency: list[OrderedDict] = [OrderedDict() for _ in range(NUM_TIERS)]
+        self._unreferenced: list[OrderedDict] = [OrderedDict() for _ in range(NUM_TIERS)]
         self._next_id = 0
-        self._clock = 0
+        self.order_version = 0
+        self.placement_version = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def add(self, tier: int, slot: int) -> int:
         block_id = self._next_id
         self._next_id += 1
-        self._entries[block_id] = BlockEntry(tier, slot, ref_count=1, last_access=self.tick())
+        self._entries[block_id] = BlockEntry(tier, slot, ref_count=1)
+        self._recency[tier][block_id] = None
+        self.order_version += 1
         return block_id
 
     def remove(self, block_id: int) -> BlockEntry:
         entry = self._entry(block_id)
-        if entry.content_hash is not None and self._by_hash.get(entry.content_hash) == block_id:
-            del self._by_hash[entry.content_hash]
+        self.unpublish(block_id)
+        self._leave_tier(block_id, entry)
         del self._entries[block_id]
+        self.placement_version += 1
         return entry
 
     def incref(self, block_id: int) -> None:
-        self._entry(block_id).ref_count += 1
+        entry = self._entry(block_id)
+        if entry.ref_count == 0 and entry.tier != NO_TIER:
+            self._unreferenced[entry.tier].pop(block_id, None)
+        entry.ref_count += 1
 
     def decref(self, block_id: int) -> int:
         entry = self._entry(block_id)
         if entry.ref_count <= 0:
-            raise ValueError(f"block {block_id}: decref below zero")
+            raise ValueError(f"block {block_id}: released more often than retained (ref_count {entry.ref_count})")
         entry.ref_count -= 1
+        if entry.ref_count == 0 and entry.tier != NO_TIER:
+            self._unreferenced[entry.tier][block_id] = None
         return entry.ref_count
 
     # ---- placement -------------------------------------------------------------------------
-    def tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
-    def touch(self, block_ids, now: int | None = None) -> None:
-        now = self.tick() if now is None else now
+    def touch(self, block_ids) -> None:
+        """These blocks were just used: move them to the recent end of their tier's order."""
+        entries = self._entries
         for block_id in block_ids:
-            self._entry(block_id).last_access = now
+            tier = entries[block_id].tier
+            if tier != NO_TIER:
+                self._recency[tier].move_to_end(block_id)
+        self.order_version += 1
 
     def move(self, block_id: int, tier: int, slot: int) -> None:
         entry = self._entry(block_id)
+        self._leave_tier(block_id, entry)
         entry.tier, entry.slot = tier, slot
+        if tier != NO_TIER:
+            self._recency[tier][block_id] = None
+            if entry.ref_count == 0:
+                self._unreferenced[tier][block_id] = None
+        self.placement_version += 1
+        self.order_version += 1
+
+    def mark_corrupt(self, block_id: int) -> None:
+        """The block's data is gone: no key, no tier; banks still list it until they drop it."""
+        self.unpublish(block_id)
+        self.move(block_id, NO_TIER, -1)
+
+    def _leave_tier(self, block_id: int, entry: BlockEntry) -> None:
+        if entry.tier != NO_TIER:
+            del self._recency[entry.tier][block_id]
+            self._unreferenced[entry.tier].pop(block_id, None)
 
     def get(self, block_id: int) -> BlockEntry:
         return self._entry(block_id)
 
+    def recency(self, tier: int):
+        """Block ids of `tier`, least recently used first (a live view: do not mutate while iterating)."""
+        return self._recency[tier].keys()
+
+    def unreferenced(self, tier: int):
+        """Unreferenced (cached) block ids of `tier`, least recently used first."""
+        return self._unreferenced[tier].keys()
+
     def blocks_in(self, tier: int) -> list[int]:
-        return [b for b, e in self._entries.items() if e.tier == tier]
+        return list(self._recency[tier])
+
+    def count_in(self, tier: int) -> int:
+        return len(self._recency[tier])
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._entries
@@ -83,27 +134,29 @@ class BlockIndex:
         return self._entries.items()
 
     # ---- content addressing ----------------------------------------------------------------
-    def set_hash(self, block_id: int, content_hash: bytes) -> int:
-        """Register a full block's content hash. Returns the block that now owns the hash
-        (an older block with the same content keeps it)."""
+    def publish(self, block_id: int, key: bytes) -> bool:
+        """Name a full, verified block by its key so other banks can reuse it. Returns False (and
+        changes nothing) when another block already holds the key: the first one stays shared."""
         entry = self._entry(block_id)
-        owner = self._by_hash.get(content_hash)
-        if owner is not None and owner != block_id:
-            return owner
-        if entry.content_hash is not None and entry.content_hash != content_hash:
-            self.clear_hash(block_id)
-        entry.content_hash = content_hash
-        self._by_hash[content_hash] = block_id
-        return block_id
+        owner = self._by_key.get(key)
+        if owner is not None:
+            return owner == block_id
+        if entry.is_corrupt:
+            return False
+        if entry.key is not None:
+            self.unpublish(block_id)
+        entry.key = key
+        self._by_key[key] = block_id
+        return True
 
-    def clear_hash(self, block_id: int) -> None:
+    def unpublish(self, block_id: int) -> None:
         entry = self._entry(block_id)
-        if entry.content_hash is not None and self._by_hash.get(entry.content_hash) == block_id:
-            del self._by_hash[entry.content_hash]
-        entry.content_hash = None
+        if entry.key is not None and self._by_key.get(entry.key) == block_id:
+            del self._by_key[entry.key]
+        entry.key = None
 
-    def lookup(self, content_hash: bytes) -> int | None:
-        return self._by_hash.get(content_hash)
+    def lookup(self, key: bytes) -> int | None:
+        return self._by_key.get(key)
 
     def _entry(self, block_id: int) -> BlockEntry:
         try:

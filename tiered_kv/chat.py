@@ -160,7 +160,7 @@ def run_chat(
     stop_ids = _stop_ids(model, tokenizer)
     max_positions = getattr(model.config, "max_position_embeddings", None)
 
-    bank = CacheBank(model.config, cfg, store=store)
+    bank = CacheBank(model, cfg, store=store)
     records: list[dict] = []
     conversation: list[int] = []
     try:

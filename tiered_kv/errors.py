@@ -15,3 +15,7 @@ class CorruptBlockError(RuntimeError):
 
 class LayoutError(ValueError):
     """A model config or tensor does not match what the bank/store can serve (names the field)."""
+
+
+class BankClosedError(RuntimeError):
+    """A CacheBank was used after close(): its blocks were released. Create a new bank."""

@@ -20,6 +20,11 @@ class CpuCopyEngine:
     def before_device_use(self) -> None:
         """Called before compute uses device memory that a copy may still be writing."""
 
+    def after_host_to_device(self) -> None:
+        """Called after host memory was handed to an asynchronous copy to the device on the
+        compute stream, before the host may overwrite that memory (a staging buffer refilled,
+        a warm slot reused)."""
+
 
 class CudaCopyEngine:
     def __init__(self, device: torch.device):
@@ -47,6 +52,12 @@ class CudaCopyEngine:
     def before_device_use(self) -> None:
         if self._has_pending:
             torch.cuda.current_stream(self.device).wait_event(self._pending)
+
+    def after_host_to_device(self) -> None:
+        # the compute stream's non_blocking copies out of pinned host memory must finish first
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        done.synchronize()
 
 
 def make_copy_engine(device: torch.device):

@@ -1,0 +1,138 @@
+"""Chat-level operations of a CacheBank: attach to a conversation, prefetch, offload.
+
+`attach(ids)` reuses only KV whose token ids are known to equal `ids`: the bank's own tokens as
+far as their ids match (verified ids for a bank built from a model), then, on a block boundary,
+blocks other banks published under the same model-fingerprinted chain keys. It never adopts the
+caller's ids for tokens whose ids the bank did not see, except in a bank built from a config
+alone, which cannot see any and keeps that trust to itself (it never publishes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..block_index import NO_TIER
+from ..identity import chain_keys
+from ..scheduler import TIER_NAMES
+from .rows import Row, common_prefix_length
+
+
+class ChatOps:
+    """Mixed into CacheBank; uses its rows, store, fingerprint and step machinery."""
+
+    def attach(self, ids) -> int:
+        """Reuse as much stored KV as matches `ids` (the whole conversation, one sequence).
+
+        Returns the number of leading tokens whose KV is reused; generate() computes the rest.
+        At least one token is always left to compute."""
+        self._check_open()
+        self._abandon_step()
+        token_ids = self._as_token_list(ids)
+        if len(self._rows) > 1:
+            raise ValueError(f"attach() serves one sequence; this bank holds {len(self._rows)} (call reset())")
+        self._check_fits(1, len(token_ids))  # fail before generate() runs any forward pass
+        limit = len(token_ids) - 1
+        block_size = self.config.block_size
+        if self._rows:
+            row = self._rows[0]
+            if not self.verifies_token_ids and len(row.token_ids) < self._seq_len:
+                # a config-only bank never sees generated ids: trust the caller, privately
+                row.token_ids.extend(token_ids[len(row.token_ids):self._seq_len])
+            match = common_prefix_length(row.token_ids[:self._seq_len], token_ids)
+            self.truncate(min(match, limit, self._seq_len))
+        if not self._rows:
+            self._extend_from_store(Row(), token_ids, limit)
+        elif self._seq_len % block_size == 0:
+            self._extend_from_store(self._rows[0], token_ids, limit)
+        if self._rows:
+            self._promote_all()
+        return self._seq_len
+
+    def _can_look_up(self) -> bool:
+        return self.fingerprint.is_shareable and self.store.is_bound
+
+    def _extend_from_store(self, row: Row, token_ids: list[int], limit: int) -> None:
+        """Append to `row` the longest run of published blocks that continues it within `ids`.
+        Only a row whose every id is verified may continue with shared blocks."""
+        block_size = self.config.block_size
+        num_blocks = len(row.table)
+        if not self._can_look_up() or row.num_verified_tokens != len(row.token_ids) \
+                or len(row.token_ids) != num_blocks * block_size or limit // block_size <= num_blocks:
+            return
+        root = self.fingerprint.root_key(self.store.layout.dtype_name)
+        row.extend_keys(root, block_size)
+        previous = row.keys[-1] if row.keys else root
+        keys = chain_keys(previous, token_ids, block_size, num_blocks, limit // block_size - num_blocks)
+        found = self.store.lookup_and_retain(keys)
+        if not found:
+            return
+        num_tokens = (num_blocks + len(found)) * block_size
+        row.table.extend(found)
+        row.token_ids = list(token_ids[:num_tokens])
+        row.num_verified_tokens = num_tokens  # a published key names exactly these ids
+        row.keys.extend(keys[:len(found)])
+        row.num_published_blocks = len(row.table)
+        if not self._rows:
+            self._rows = [row]
+        self._seq_len = num_tokens
+        self._structure_changed()
+
+    def prefetch(self) -> None:
+        """Bring this chat's blocks up the tiers ahead of its next turn."""
+        self._check_open()
+        self._abandon_step()
+        if self._rows:
+            self._promote_all()
+
+    def offload(self, tier: str = "warm") -> dict:
+        """Move this idle chat's blocks down to `tier` ("warm" or "cold"), freeing the tiers
+        above for other chats; its next turn (or prefetch) brings them back. Returns
+        stats()["bank_blocks"] afterwards: blocks that found no room stay where they were."""
+        if tier not in ("warm", "cold"):
+            raise ValueError(f"offload(tier={tier!r}): allowed 'warm' or 'cold'")
+        self._check_open()
+        self._abandon_step()
+        blocks = list(dict.fromkeys(b for row in self._rows for b in row.table))
+        if blocks:
+            self.store.demote(blocks, TIER_NAMES.index(tier))
+        return self.stats()["bank_blocks"]
+
+    def _promote_all(self) -> None:
+        self._promote_tables([row.table for row in self._rows])
+        self._drop_from_first_corrupt()
+
+    def _promote_tables(self, tables: list[list[int]]) -> None:
+        """Move these blocks up the tiers, most recent first (likeliest to be read again soon),
+        then check whatever stays cold against its checksums now rather than mid-forward."""
+        longest = max(map(len, tables), default=0)
+        order = list(dict.fromkeys(table[i] for i in range(longest - 1, -1, -1) for table in tables if i < len(table)))
+        with self.store.lock:
+            tiers, _ = self.store.placements(order)
+            if all(t == 0 for t in tiers):
+                return
+            self.store.promote(order)
+            self.store.verify(order)
+
+    def _drop_from_first_corrupt(self) -> int | None:
+        """Truncate every row before its first corrupt block. Returns that token position, or None."""
+        first_bad = None
+        for row in self._rows:
+            tiers, _ = self.store.placements(row.table)
+            bad = next((i for i, tier in enumerate(tiers) if tier == NO_TIER), None)
+            if bad is not None:
+                first_bad = bad if first_bad is None else min(first_bad, bad)
+        if first_bad is None:
+            return None
+        keep = min(self._seq_len, first_bad * self.config.block_size)
+        self.truncate(keep)
+        return keep
+
+    @staticmethod
+    def _as_token_list(ids) -> list[int]:
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() == 2:
+                if ids.shape[0] != 1:
+                    raise ValueError(f"attach() takes one sequence; got ids of shape {tuple(ids.shape)}")
+                ids = ids[0]
+            return [int(x) for x in ids.tolist()]
+        return [int(x) for x in ids]

@@ -1,0 +1,178 @@
+"""PlanExecutor: carries out a scheduler Plan move by move, and copies block data between tiers.
+
+Each move allocates its destination slot, copies, then frees its source slot, so a plan never
+needs spare room. Runs of moves into or out of the cold tier go through one preallocated host
+staging buffer in chunks (one preadv per run of slots, one copy to the destination). A block
+whose bytes fail their checksum on the way is marked corrupt (no data, no key, no slot) and
+reported; it is never copied anywhere. The caller (TierStore) holds the store lock throughout:
+the staging buffer and every tier's scratch space are used by one plan at a time.
+
+GPU ordering: copies between device and host run on the copy engine's side stream; before the
+host touches memory such a copy may still use, and before the staging buffer is refilled while
+an asynchronous host-to-device copy may still be reading it, the executor waits on the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..block_index import BlockIndex
+from ..errors import CorruptBlockError
+from ..pool import SlotPool
+from ..scheduler import COLD, DROPPED, HOT, TIER_NAMES, Plan
+
+log = logging.getLogger("tiered_kv")
+
+
+class PlanExecutor:
+    def __init__(self, tiers: list, pools: list[SlotPool], index: BlockIndex, staging: torch.Tensor,
+                 copy_engine, link_monitor, block_bytes: int):
+        self.tiers = tiers
+        self.pools = pools
+        self.index = index
+        self.staging = staging
+        self.copy_engine = copy_engine
+        self.link_monitor = link_monitor
+        self.block_bytes = block_bytes
+        self.bytes_moved = {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
+
+    # ---- plans -----------------------------------------------------------------------------
+    def apply(self, plan: Plan, batch_cold_moves: bool = True) -> list[int]:
+        """Carry out a plan's moves in order. Returns the ids of blocks that failed a checksum
+        while being moved; those are marked corrupt, keep no data, and must be recomputed."""
+        corrupt: list[int] = []
+        moves = list(plan.moves)
+        while moves:
+            batch = self._take_cold_batch(moves) if batch_cold_moves else []
+            if batch:
+                corrupt += self._apply_batch(batch)
+                continue
+            move = moves.pop(0)
+            entry = self.index.get(move.block_id)
+            if entry.tier != move.src_tier:
+                raise RuntimeError(f"plan is stale: {move}, but block {move.block_id} is in tier {entry.tier}")
+            if move.dst_tier == DROPPED:
+                self.free_block(move.block_id)
+                continue
+            dst_slot = self._allocate_slot(move.dst_tier, move)
+            try:
+                self.copy_data(move.src_tier, entry.slot, move.dst_tier, dst_slot)
+            except CorruptBlockError:
+                self.free_slot(move.dst_tier, dst_slot)
+                self.mark_corrupt(move.block_id)  # frees its source slot, as the plan expects
+                corrupt.append(move.block_id)
+                continue
+            self.free_slot(move.src_tier, entry.slot)
+            self.index.move(move.block_id, move.dst_tier, dst_slot)
+        self.copy_engine.before_device_use()
+        if self.tiers[COLD] is not None:
+            self.tiers[COLD].flush()
+        return corrupt
+
+    def _allocate_slot(self, tier: int, move) -> int:
+        allocated = self.pools[tier].allocate(1)
+        if allocated is None:
+            raise RuntimeError(f"plan is infeasible: {move} but {TIER_NAMES[tier]} is full")
+        return allocated[0]
+
+    @staticmethod
+    def _take_cold_batch(moves: list) -> list:
+        """Pop the leading run of moves into or out of the cold tier between the same two tiers
+        (a chat offloaded or promoted whole), to go through the staging buffer in chunks."""
+        first = moves[0]
+        if COLD not in (first.src_tier, first.dst_tier) or first.dst_tier == DROPPED:
+            return []
+        count = 1
+        while count < len(moves) and (moves[count].src_tier, moves[count].dst_tier) == (first.src_tier, first.dst_tier):
+            count += 1
+        if count < 2:
+            return []
+        batch = moves[:count]
+        del moves[:count]
+        return batch
+
+    def _apply_batch(self, batch: list) -> list[int]:
+        src_tier, dst_tier = batch[0].src_tier, batch[0].dst_tier
+        src, dst = self.tiers[src_tier], self.tiers[dst_tier]
+        corrupt: list[int] = []
+        chunk_blocks = self.staging.shape[0]
+        for start in range(0, len(batch), chunk_blocks):
+            chunk = batch[start:start + chunk_blocks]
+            src_slots = [self.index.get(m.block_id).slot for m in chunk]
+            staging = self.staging[:len(chunk)]
+            self.copy_engine.before_host_read()  # the previous chunk's copies out of staging are done
+            if src_tier == COLD:
+                try:
+                    src.read_blocks(src_slots, out=staging)
+                except CorruptBlockError:  # find the bad ones block by block; the good ones still move
+                    corrupt += self.apply(Plan(moves=chunk), batch_cold_moves=False)
+                    continue
+            else:
+                for i, slot in enumerate(src_slots):
+                    self.copy_engine.copy(staging[i], src.block_view(slot))
+                self.copy_engine.before_host_read()
+            dst_slots = self.pools[dst_tier].allocate(len(chunk))
+            if dst_slots is None:
+                raise RuntimeError(f"plan is infeasible: {len(chunk)} moves into {TIER_NAMES[dst_tier]} but it is full")
+            dst.write_blocks(dst_slots, staging)
+            self.copy_engine.after_host_to_device()  # staging may be refilled only once this copy read it
+            for move, src_slot, dst_slot in zip(chunk, src_slots, dst_slots):
+                self.free_slot(src_tier, src_slot)
+                self.index.move(move.block_id, dst_tier, dst_slot)
+            self._count(src_tier, dst_tier, len(chunk) * self.block_bytes)
+        return corrupt
+
+    # ---- single blocks ---------------------------------------------------------------------
+    def copy_data(self, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
+        src, dst = self.tiers[src_tier], self.tiers[dst_tier]
+        if hasattr(src, "block_view") and hasattr(dst, "block_view"):
+            self.copy_engine.copy(dst.block_view(dst_slot), src.block_view(src_slot))
+        else:
+            # host code is about to touch host memory a side-stream copy may still be using
+            self.copy_engine.before_host_read()
+            dst.write_blocks([dst_slot], src.read_blocks([src_slot]))
+            self.copy_engine.after_host_to_device()
+        if src_tier != dst_tier:  # a copy-on-write inside one tier moves nothing between tiers
+            self._count(src_tier, dst_tier, self.block_bytes)
+
+    def _count(self, src_tier: int, dst_tier: int, num_bytes: int) -> None:
+        self.bytes_moved[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += num_bytes
+        if HOT in (src_tier, dst_tier):
+            self.link_monitor.record(num_bytes)
+
+    def free_block(self, block_id: int) -> None:
+        entry = self.index.remove(block_id)
+        if not entry.is_corrupt:  # a corrupt block already gave its slot back
+            self.free_slot(entry.tier, entry.slot)
+
+    def free_slot(self, tier: int, slot: int) -> None:
+        self.pools[tier].free([slot])
+        if tier == COLD:
+            self.tiers[COLD].forget([slot])
+
+    def mark_corrupt(self, block_id: int) -> None:
+        """A corrupt block keeps its id (banks still list it) but no key, no data and no slot."""
+        entry = self.index.get(block_id)
+        if entry.is_corrupt:
+            return
+        log.warning("tiered_kv: block %d in %s slot %d failed its checksum; it will be recomputed",
+                    block_id, TIER_NAMES[entry.tier], entry.slot)
+        self.free_slot(entry.tier, entry.slot)
+        self.index.mark_corrupt(block_id)
+
+    def verify_cold(self, block_ids: list[int]) -> list[int]:
+        """Check the cold blocks among `block_ids` against their checksums (the only tier whose
+        bytes can rot outside this process). Failing ones are marked corrupt and returned."""
+        if self.tiers[COLD] is None:
+            return []
+        by_slot = {}
+        for block_id in block_ids:
+            entry = self.index.get(block_id)
+            if entry.tier == COLD:
+                by_slot[entry.slot] = block_id
+        bad = [by_slot[slot] for slot in self.tiers[COLD].verify(list(by_slot))]
+        for block_id in bad:
+            self.mark_corrupt(block_id)
+        return bad

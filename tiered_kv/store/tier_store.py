@@ -1,0 +1,377 @@
+"""TierStore: one budget of hot/warm/cold blocks shared by every CacheBank that uses it.
+
+It owns the tiers, their slot pools, the BlockIndex and the MemScheduler. Banks ask it for new
+blocks, hand blocks back, publish and look up verified blocks by key, and read/write one layer
+of tokens at a time; the scheduler decides placement and returns a Plan, which the
+PlanExecutor carries out.
+
+Concurrency model (DESIGN.md invariant 4): one re-entrant lock per store. Every method takes
+it, so planning and applying a plan happen in one critical section and no plan is ever stale.
+A bank's forward pass registers its blocks as pinned from layer 0 to its last layer
+(`begin_step` / `end_step`); plans never move or drop pinned blocks, so the step's token
+mapping stays valid without holding the lock while the model computes. An allocation that only
+fails because other steps pin the blocks it would move waits for a step to end (bounded by
+`PIN_WAIT_S`) instead of failing. Scratch buffers (staging, the cold tier's layer buffer) are
+only touched under the lock. A store is not copied by `copy.deepcopy`: copies share it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+
+import torch
+
+from ..block_index import BlockIndex
+from ..blocks import KVLayout
+from ..config import Config, load_config
+from ..errors import CapacityError, CorruptBlockError, LayoutError
+from ..hw.copy_engine import make_copy_engine
+from ..hw.devices import resolve_device, resolve_pinned
+from ..hw.link_monitor import make_link_monitor
+from ..pool import SlotPool
+from ..scheduler import COLD, HOT, TIER_NAMES, WARM, MemScheduler
+from ..tiers import ColdTier, HotTier, WarmTier
+from ..tiers.cold import lock_directory, prepare_directory
+from .executor import PlanExecutor
+from .token_map import TierRun, TokenMapper
+
+STAGING_BYTES = 32 * 2**20  # host staging for cold-tier batches
+PIN_WAIT_S = 60.0  # how long an allocation waits for other steps to unpin blocks it needs
+
+
+class TierStore:
+    def __init__(self, config: Config | dict | str | None = None):
+        self.config = load_config(config if config is not None else {})
+        self.device = resolve_device(self.config.hot.device)
+        self.pinned = resolve_pinned(self.config.warm.pinned, self.device)
+        self.lock = threading.RLock()
+        self._step_ended = threading.Condition(self.lock)
+        self.layout: KVLayout | None = None
+        self.dtype: torch.dtype | None = None
+        self.tiers: list = []
+        self.pools: list[SlotPool] = []
+        self.index = BlockIndex()
+        self.scheduler = MemScheduler(self.config.scheduler.policy)
+        self.copy_engine = make_copy_engine(self.device)
+        self.link_monitor = make_link_monitor(self.device)
+        self._executor: PlanExecutor | None = None
+        self.mapper: TokenMapper | None = None
+        self._pinned_by_step: dict[int, set[int]] = {}  # step owner -> its blocks
+        self._deferred: deque = deque()  # (block ids, step owner) of banks the GC collected
+        self.hits = {name: 0 for name in TIER_NAMES}
+        self.misses = 0
+        self._closed = False
+        self._num_owners = 0  # banks that created this store and close it together
+        self._cold_lock_fd: int | None = None
+        if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
+            # fail at start, not at the first spill, when the cold directory is unusable or taken
+            prepare_directory(self.config.cold.path)
+            self._cold_lock_fd = lock_directory(self.config.cold.path)
+
+    def __deepcopy__(self, memo):
+        return self  # a store is a shared resource: copies of banks share it
+
+    def __reduce__(self):
+        raise TypeError("a TierStore holds open files and device memory; it cannot be pickled")
+
+    # ---- binding ---------------------------------------------------------------------------
+    @property
+    def is_bound(self) -> bool:
+        return self.layout is not None
+
+    def bind(self, layout: KVLayout, dtype: torch.dtype) -> None:
+        """Preallocate every tier for `layout`. A store serves one KV layout for its lifetime."""
+        with self.lock:
+            self._check_open()
+            if self.layout is not None:
+                if layout != self.layout or dtype != self.dtype:
+                    raise LayoutError(
+                        f"this TierStore serves KV layout {self.layout} ({self.dtype}); got {layout} ({dtype}). "
+                        "Use one store per model shape and dtype")
+                return
+            self._bind(layout, dtype)
+
+    def _bind(self, layout: KVLayout, dtype: torch.dtype) -> None:
+        cfg = self.config
+        capacities = [cfg.hot.resolve_blocks(layout.block_bytes), cfg.warm.resolve_blocks(layout.block_bytes),
+                      cfg.cold.resolve_blocks(layout.block_bytes)]
+        tiers = [HotTier(layout, capacities[HOT], self.device, dtype),
+                 WarmTier(layout, capacities[WARM], dtype, self.pinned)]
+        tiers.append(ColdTier(layout, capacities[COLD], cfg.cold.path, cfg.cold.backend, cfg.cold.fsync)
+                     if capacities[COLD] > 0 else None)
+        pools = [SlotPool(n, TIER_NAMES[t]) for t, n in enumerate(capacities)]
+        # host buffer for moves into and out of cold, preallocated (and touched) once
+        staging_blocks = max(1, min(STAGING_BYTES // layout.block_bytes, max(capacities)))
+        staging = torch.zeros((staging_blocks, *layout.record_shape()), dtype=dtype, pin_memory=self.pinned)
+        self.tiers, self.pools = tiers, pools
+        self._executor = PlanExecutor(tiers, pools, self.index, staging, self.copy_engine, self.link_monitor,
+                                      layout.block_bytes)
+        self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.copy_engine)
+        self.layout, self.dtype = layout, dtype
+
+    @property
+    def capacities(self) -> list[int]:
+        return [pool.num_slots for pool in self.pools]
+
+    def free_slots(self) -> list[int]:
+        return [pool.num_free for pool in self.pools]
+
+    @property
+    def total_capacity_blocks(self) -> int:
+        return sum(self.capacities)
+
+    @property
+    def staging(self) -> torch.Tensor:
+        return self._executor.staging
+
+    # ---- block lifecycle -------------------------------------------------------------------
+    def allocate(self, num_blocks: int, protect: frozenset[int] = frozenset()) -> list[int]:
+        """New blocks, placed as high as possible. Raises CapacityError (changing nothing) when
+        all tiers together cannot hold them, after waiting for running steps to unpin blocks."""
+        if num_blocks == 0:
+            return []
+        with self.lock:
+            self._check_open()
+            self.drain_deferred()
+            deadline = time.monotonic() + PIN_WAIT_S
+            while True:
+                plan = self.scheduler.plan_new_blocks(num_blocks, self.index, self.free_slots(), self.capacities,
+                                                      protect, self.is_pinned)
+                if plan is not None:
+                    break
+                remaining_s = deadline - time.monotonic()
+                if not self._pinned_by_step or remaining_s <= 0:
+                    raise self._capacity_error(num_blocks)
+                self._step_ended.wait(remaining_s)
+            self._executor.apply(plan)
+            block_ids = []
+            for tier in plan.new_block_tiers:
+                (slot,) = self.pools[tier].allocate(1)
+                block_ids.append(self.index.add(tier, slot))
+            return block_ids
+
+    def _capacity_error(self, num_blocks: int) -> CapacityError:
+        referenced = sum(1 for _, e in self.index.items() if e.ref_count > 0)
+        hot, warm, cold = self.capacities
+        return CapacityError(
+            f"need {num_blocks} more blocks of {self.layout.block_size} tokens ({self.layout.block_bytes} bytes "
+            f"each) but all tiers together hold {self.total_capacity_blocks} (hot {hot}, warm {warm}, cold {cold}) "
+            f"and {referenced} are in use; raise a tier's capacity or shorten the conversation")
+
+    def release_later(self, block_ids: list[int], step_block_ids: list[int], step_owner: int) -> None:
+        """For a bank collected by the garbage collector: queue its references and its step's
+        pins, to be dropped at the store's next operation. Takes no lock (the collector may run
+        while this very thread holds it mid-operation); deque.append is atomic."""
+        self._deferred.append((list(block_ids) + list(step_block_ids), step_owner))
+
+    def drain_deferred(self) -> None:
+        with self.lock:
+            while self._deferred and not self._closed:
+                block_ids, step_owner = self._deferred.popleft()
+                self._pinned_by_step.pop(step_owner, None)
+                self.release(block_ids)
+                self._step_ended.notify_all()
+
+    def retain(self, block_ids: list[int]) -> None:
+        with self.lock:
+            for block_id in block_ids:
+                self.index.incref(block_id)
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference each. Unreferenced published blocks stay as reusable cache."""
+        with self.lock:
+            if self._closed:
+                return
+            for block_id in block_ids:
+                entry = self.index.get(block_id)
+                if self.index.decref(block_id) == 0 and (entry.key is None or entry.is_corrupt):
+                    self._executor.free_block(block_id)
+
+    def copy_block(self, block_id: int) -> int:
+        """Copy-on-write: a new block with the same content (the caller releases the old one)."""
+        with self.lock:
+            src = self.index.get(block_id)
+            (new_id,) = self.allocate(1, protect=frozenset([block_id]))
+            src, dst = self.index.get(block_id), self.index.get(new_id)
+            self._executor.copy_data(src.tier, src.slot, dst.tier, dst.slot)
+            self.copy_engine.before_device_use()  # compute reads the copy next
+            return new_id
+
+    # ---- content addressing ----------------------------------------------------------------
+    def publish(self, block_id: int, key: bytes) -> bool:
+        with self.lock:
+            return self.index.publish(block_id, key)
+
+    def lookup_and_retain(self, keys: list[bytes]) -> list[int]:
+        """The blocks of the longest run of `keys` (from the first) that the store holds intact,
+        each retained once for the caller."""
+        with self.lock:
+            found = []
+            for key in keys:
+                block_id = self.index.lookup(key)
+                if block_id is None or self.index.get(block_id).is_corrupt:
+                    self.misses += 1
+                    break
+                found.append(block_id)
+            for block_id in found:
+                self.index.incref(block_id)
+            return found
+
+    def block_info(self, block_id: int):
+        """(tier, ref_count, key) of a block, read under the lock."""
+        with self.lock:
+            entry = self.index.get(block_id)
+            return entry.tier, entry.ref_count, entry.key
+
+    # ---- placement -------------------------------------------------------------------------
+    def is_pinned(self, block_id: int) -> bool:
+        return any(block_id in blocks for blocks in self._pinned_by_step.values())
+
+    def promote(self, block_ids: list[int]) -> list[int]:
+        """Bring blocks up (hot first). Returns ids found corrupt on the way (never served)."""
+        with self.lock:
+            self.drain_deferred()
+            plan = self.scheduler.plan_promotion(block_ids, self.index, self.free_slots(), self.capacities,
+                                                 self.is_pinned)
+            return self._executor.apply(plan)
+
+    def demote(self, block_ids: list[int], dst_tier: int) -> list[int]:
+        """Move blocks down to `dst_tier` (WARM or COLD) as far as room allows."""
+        with self.lock:
+            plan = self.scheduler.plan_demotion(block_ids, dst_tier, self.index, self.free_slots(), self.capacities,
+                                                self.is_pinned)
+            return self._executor.apply(plan)
+
+    def verify(self, block_ids: list[int]) -> list[int]:
+        with self.lock:
+            return self._executor.verify_cold(block_ids)
+
+    def mark_corrupt(self, block_id: int) -> None:
+        with self.lock:
+            self._executor.mark_corrupt(block_id)
+
+    def placements(self, block_ids: list[int]):
+        """(tier, slot) of each block, as two lists (for a step's token mapping)."""
+        with self.lock:
+            entries = [self.index.get(b) for b in block_ids]
+            return [e.tier for e in entries], [e.slot for e in entries]
+
+    # ---- tokens of one layer ---------------------------------------------------------------
+    def map_tokens(self, block_ids: list[int], offsets: list[int]) -> list[TierRun]:
+        """Runs for arbitrary tokens, each given as (block id, offset in block). The caller keeps
+        the blocks from moving (a pinned step, or no other thread) while it uses the runs."""
+        import numpy as np
+
+        with self.lock:
+            tiers, slots = self.placements(block_ids)
+            tiers, slots = np.asarray(tiers, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+            if (tiers < 0).any():
+                bad = sorted({b for b, t in zip(block_ids, tiers) if t < 0})
+                raise CorruptBlockError(f"blocks {bad} failed their checksum and must be recomputed")
+            return self.mapper.group_by_tier(tiers, slots, np.asarray(offsets, dtype=np.int64))
+
+    def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:
+        with self.lock:
+            return self.mapper.read_layer(layer, runs, num_tokens)
+
+    def write_layer(self, layer: int, runs: list[TierRun], kv: torch.Tensor) -> None:
+        with self.lock:
+            self.mapper.write_layer(layer, runs, kv)
+
+    # ---- steps -----------------------------------------------------------------------------
+    def begin_step(self, owner: int, block_ids: set[int]) -> None:
+        """Pin `block_ids` for a forward pass of `owner` until end_step(owner)."""
+        with self.lock:
+            self._pinned_by_step[owner] = block_ids
+
+    def end_step(self, owner: int, read_host_tiers: bool = False) -> None:
+        """Unpin a step's blocks (it ended or was rolled back) and make cold writes durable."""
+        with self.lock:
+            if self._pinned_by_step.pop(owner, None) is None:
+                return
+            if read_host_tiers:
+                self.copy_engine.after_host_to_device()  # warm slots may be reused by the host next
+            if not self._closed and self.tiers[COLD] is not None:
+                self.tiers[COLD].flush()
+            self._step_ended.notify_all()
+
+    def touch(self, block_ids) -> None:
+        with self.lock:
+            self.index.touch(block_ids)
+
+    def count_hits(self, tier_counts: dict[int, int]) -> None:
+        with self.lock:
+            for tier, count in tier_counts.items():
+                self.hits[TIER_NAMES[tier]] += count
+
+    # ---- reporting / teardown --------------------------------------------------------------
+    @property
+    def bytes_moved(self) -> dict:
+        if self._executor is None:
+            return {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
+        return self._executor.bytes_moved
+
+    def stats(self) -> dict:
+        with self.lock:
+            self.drain_deferred()
+            tiers = {}
+            for t, name in enumerate(TIER_NAMES):
+                device = str(self.device) if t == HOT else ("cpu (pinned)" if self.pinned else "cpu") if t == WARM \
+                    else "file"
+                if not self.is_bound or self._closed:
+                    tiers[name] = {"used_blocks": 0, "capacity_blocks": 0, "used_bytes": 0, "capacity_bytes": 0,
+                                   "device": device}
+                    continue
+                pool = self.pools[t]
+                if t == COLD:
+                    device = getattr(self.tiers[COLD], "file_path", "disabled")
+                tiers[name] = {"used_blocks": pool.num_used, "capacity_blocks": pool.num_slots,
+                               "used_bytes": pool.num_used * self.layout.block_bytes,
+                               "capacity_bytes": pool.num_slots * self.layout.block_bytes, "device": device}
+            return {"tiers": tiers, "hits": dict(self.hits), "misses": self.misses,
+                    "bytes_moved": dict(self.bytes_moved), "link_saturation": self.link_monitor.saturation()}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this TierStore is closed; create a new one")
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def add_owner(self) -> None:
+        with self.lock:
+            self._num_owners += 1
+
+    def drop_owner(self) -> None:
+        """A bank that owns this store closed; the last one closes the store."""
+        with self.lock:
+            self._num_owners -= 1
+            if self._num_owners <= 0:
+                self.close()
+
+    def close(self) -> None:
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            for tier in self.tiers:
+                if tier is not None:
+                    tier.close()
+            self.tiers[:] = [None] * len(self.tiers)
+            if self._cold_lock_fd is not None:
+                os.close(self._cold_lock_fd)  # closing the fd releases the flock
+                self._cold_lock_fd = None
+            self._step_ended.notify_all()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+__all__ = ["TierStore", "TierRun", "STAGING_BYTES"]

@@ -1,0 +1,95 @@
+"""Token-to-slot mapping: where a step's tokens live, and one layer's K/V read and written there.
+
+A step maps its tokens once (at layer 0) into `TierRun`s, one per tier holding some of them;
+every layer then reads and writes through those runs. The mapping stays valid for the whole
+step because the step's blocks are pinned (no other thread may move them until it ends).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..block_index import NO_TIER
+from ..errors import CorruptBlockError
+from ..scheduler import COLD, HOT, WARM
+
+
+@dataclass
+class TierRun:
+    """Tokens of one request that live in one tier: the tier's own index and where they go."""
+
+    tier: int
+    index: object  # the tier's token_index
+    positions: torch.Tensor | None  # positions within the request; None = all of them, in order
+
+
+class TokenMapper:
+    """Builds TierRuns from block placements and moves one layer's K/V through them."""
+
+    def __init__(self, tiers: list, layout, device: torch.device, dtype: torch.dtype, copy_engine):
+        self.tiers = tiers
+        self.layout = layout
+        self.device = device
+        self.dtype = dtype
+        self.copy_engine = copy_engine
+
+    def map_range(self, tiers: np.ndarray, slots: np.ndarray, start_token: int, end_token: int) -> list[TierRun]:
+        """Runs for tokens [start_token, end_token) of a sequence whose blocks lie at
+        (`tiers[i]`, `slots[i]`), built per block with numpy, not per token."""
+        bs = self.layout.block_size
+        first, last = start_token // bs, (end_token - 1) // bs
+        block_tiers, block_slots = tiers[first:last + 1], slots[first:last + 1]
+        if (block_tiers == NO_TIER).any():
+            raise CorruptBlockError(f"blocks at positions {np.nonzero(block_tiers == NO_TIER)[0] + first} failed "
+                                    "their checksum and must be recomputed")
+        lo, hi = start_token - first * bs, end_token - first * bs
+        if (block_tiers == HOT).all() and (len(block_slots) == 1 or (np.diff(block_slots) == 1).all()):
+            base = int(block_slots[0]) * bs  # consecutive hot slots: one slice of the slab
+            return [TierRun(HOT, slice(base + lo, base + hi), None)]
+        num_blocks = len(block_tiers)
+        return self.group_by_tier(
+            np.repeat(block_tiers, bs)[lo:hi],
+            np.repeat(block_slots, bs)[lo:hi],
+            np.tile(np.arange(bs, dtype=np.int64), num_blocks)[lo:hi],
+        )
+
+    def group_by_tier(self, token_tiers: np.ndarray, slots: np.ndarray, offsets: np.ndarray) -> list[TierRun]:
+        """One TierRun per tier holding some of the tokens (positions None when one tier holds all)."""
+        if (token_tiers == token_tiers[0]).all():
+            tier = int(token_tiers[0])
+            return [TierRun(tier, self.tiers[tier].token_index(slots, offsets), None)]
+        runs = []
+        for tier in (HOT, WARM, COLD):
+            picked = np.nonzero(token_tiers == tier)[0]
+            if len(picked):
+                index = self.tiers[tier].token_index(slots[picked], offsets[picked])
+                runs.append(TierRun(tier, index, torch.from_numpy(picked).to(self.device)))
+        return runs
+
+    def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:
+        """`[2, H, num_tokens, D]` on the compute device: one layer's K/V of the mapped tokens."""
+        if len(runs) == 1 and runs[0].positions is None:
+            data = self._read_tokens(runs[0].tier, layer, runs[0].index)
+            return data if runs[0].tier == HOT else data.to(self.device, non_blocking=True)
+        out = torch.empty((2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim),
+                          dtype=self.dtype, device=self.device)
+        for run in runs:
+            data = self._read_tokens(run.tier, layer, run.index)
+            out.index_copy_(2, run.positions, data.to(self.device, non_blocking=True))
+        return out
+
+    def _read_tokens(self, tier: int, layer: int, index) -> torch.Tensor:
+        if tier != HOT:
+            self.copy_engine.before_host_read()
+        return self.tiers[tier].read_tokens(layer, index)
+
+    def write_layer(self, layer: int, runs: list[TierRun], kv: torch.Tensor) -> None:
+        """Store `kv` (`[2, H, t, D]`) for the mapped tokens of one layer, wherever they live."""
+        for run in runs:
+            part = kv if run.positions is None else kv.index_select(2, run.positions)
+            if run.tier != HOT:
+                self.copy_engine.before_host_read()
+            self.tiers[run.tier].write_tokens(layer, run.index, part)
