@@ -10,7 +10,6 @@ dtype), because block size in bytes is unknown until then.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +25,7 @@ from .hw.link_monitor import make_link_monitor
 from .pool import SlotPool
 from .scheduler import COLD, DROPPED, HOT, TIER_NAMES, WARM, MemScheduler, Plan
 from .tiers import ColdTier, HotTier, WarmTier
-from .tiers.cold import lock_directory, prepare_directory
+from .tiers.cold_files import ColdDirectory, open_cold_directory
 
 
 STAGING_BYTES = 32 * 2**20  # host staging for cold-tier batches
@@ -59,11 +58,10 @@ class TierStore:
         self.hits = {name: 0 for name in TIER_NAMES}
         self.misses = 0
         self._closed = False
-        self._cold_lock_fd: int | None = None
+        self._cold_directory: ColdDirectory | None = None
         if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
             # fail at start, not at the first spill, when the cold directory is unusable or taken
-            prepare_directory(self.config.cold.path)
-            self._cold_lock_fd = lock_directory(self.config.cold.path)
+            self._cold_directory = open_cold_directory(self.config.cold.path)
 
     # ---- binding ---------------------------------------------------------------------------
     @property
@@ -92,7 +90,7 @@ class TierStore:
             )
         tiers = [HotTier(layout, capacities[HOT], self.device, dtype), WarmTier(layout, capacities[WARM], dtype, self.pinned)]
         if capacities[COLD] > 0:
-            tiers.append(ColdTier(layout, capacities[COLD], cfg.cold.path, cfg.cold.backend, cfg.cold.fsync))
+            tiers.append(ColdTier(layout, capacities[COLD], self._cold_directory, cfg.cold.backend, cfg.cold.fsync))
         else:
             tiers.append(None)
         self.tiers = tiers
@@ -442,9 +440,9 @@ class TierStore:
             if tier is not None:
                 tier.close()
         self.tiers = []
-        if self._cold_lock_fd is not None:
-            os.close(self._cold_lock_fd)  # closing the fd releases the flock
-            self._cold_lock_fd = None
+        if self._cold_directory is not None:
+            self._cold_directory.close()  # releases the lock; keeps the durable block files
+            self._cold_directory = None
 
     def __del__(self):
         try:
