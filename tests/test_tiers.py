@@ -12,6 +12,7 @@ from tiered_kv.blocks import KVLayout
 from tiered_kv.hw.block_io import kvikio_usable
 from tiered_kv.tiers import ColdTier, HotTier, WarmTier
 from tiered_kv.tiers.cold import ALIGN_BYTES, layout_signature
+from tiered_kv.tiers.cold_files import LOCK_NAME, open_cold_directory
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype_name="float32")
 NUM_SLOTS = 6
@@ -23,8 +24,24 @@ def layout_for(dtype_name):
 
 
 @pytest.fixture
-def make_tier(tmp_path):
+def cold_directory(tmp_path):
+    """open_cold_directory(path=tmp_path/"cold"), closed after the test (after its tiers)."""
+    opened = []
+
+    def open_directory(path=None):
+        directory = open_cold_directory(str(path or tmp_path / "cold"))
+        opened.append(directory)
+        return directory
+
+    yield open_directory
+    for directory in opened:
+        directory.close()
+
+
+@pytest.fixture
+def make_tier(cold_directory):
     made = []
+    directories = []
 
     def make(kind, layout=LAYOUT, num_slots=NUM_SLOTS):
         dtype = getattr(torch, layout.dtype_name)
@@ -33,7 +50,8 @@ def make_tier(tmp_path):
         elif kind == "warm":
             tier = WarmTier(layout, num_slots, dtype, pinned=False)
         else:
-            tier = ColdTier(layout, num_slots, str(tmp_path / "cold"), backend="posix")
+            directories[:] = directories or [cold_directory()]
+            tier = ColdTier(layout, num_slots, directories[0], backend="posix")
         made.append(tier)
         return tier
 
@@ -220,16 +238,18 @@ def test_cold_file_mode_size_and_directory_mode(make_tier, tmp_path):
     assert stat.S_IMODE(file_stat.st_mode) == 0o600
     assert file_stat.st_size == NUM_SLOTS * 4096
     assert stat.S_IMODE(os.stat(tmp_path / "cold").st_mode) == 0o700
-    assert sorted(os.listdir(tmp_path / "cold")) == [os.path.basename(tier.file_path)]  # probe removed
+    assert stat.S_IMODE(os.stat(tmp_path / "cold" / LOCK_NAME).st_mode) == 0o600
+    assert sorted(os.listdir(tmp_path / "cold")) == sorted([LOCK_NAME, os.path.basename(tier.file_path)])
 
 
-def test_cold_tightens_an_existing_open_directory(tmp_path):
-    directory = tmp_path / "shared"
-    directory.mkdir(mode=0o755)
-    os.chmod(directory, 0o755)
-    tier = ColdTier(LAYOUT, 1, str(directory), backend="posix")
+def test_cold_uses_an_existing_directory_of_ours_without_chmod(cold_directory, tmp_path):
+    """Readable by others is allowed; the store never chmods a directory it did not create."""
+    path = tmp_path / "shared"
+    path.mkdir()
+    os.chmod(path, 0o755)
+    tier = ColdTier(LAYOUT, 1, cold_directory(path), backend="posix")
     try:
-        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
     finally:
         tier.close()
 
@@ -239,9 +259,9 @@ def test_cold_tightens_an_existing_open_directory(tmp_path):
     (8, 64, 32768),    # 32 KiB blocks: already aligned
     (9, 8, 8192),      # 4608-byte blocks round up to two pages
 ])
-def test_cold_record_stride_is_4096_aligned(tmp_path, num_layers, head_dim, stride):
+def test_cold_record_stride_is_4096_aligned(cold_directory, num_layers, head_dim, stride):
     layout = KVLayout(num_layers, 2, head_dim, 4, "float32")
-    tier = ColdTier(layout, 3, str(tmp_path), backend="posix")
+    tier = ColdTier(layout, 3, cold_directory(), backend="posix")
     try:
         assert tier.record_stride_bytes == stride
         assert stride % ALIGN_BYTES == 0
@@ -323,28 +343,28 @@ def test_cold_path_under_a_regular_file_raises_config_error(tmp_path):
     regular = tmp_path / "not-a-dir"
     regular.write_text("x")
     with pytest.raises(ConfigError, match=r"config key 'cold\.path': got .*not-a-dir/cold.*not a writable directory"):
-        ColdTier(LAYOUT, 2, str(regular / "cold"), backend="posix")
+        open_cold_directory(str(regular / "cold"))
 
 
 def test_cold_path_that_is_a_regular_file_raises_config_error(tmp_path):
     regular = tmp_path / "file"
     regular.write_text("x")
-    with pytest.raises(ConfigError, match=r"'cold\.path'"):
-        ColdTier(LAYOUT, 2, str(regular), backend="posix")
+    with pytest.raises(ConfigError, match=r"'cold\.path'.*not a writable directory"):
+        open_cold_directory(str(regular))
 
 
-def test_second_cold_tier_on_the_same_path_raises_in_use(make_tier, tmp_path):
-    first = make_tier("cold")
-    with pytest.raises(ConfigError, match=r"config key 'cold\.path': .* is in use by another process"):
-        ColdTier(LAYOUT, NUM_SLOTS, str(tmp_path / "cold"), backend="posix")
+def test_second_cold_directory_on_the_same_path_raises_in_use(tmp_path):
+    first = open_cold_directory(str(tmp_path / "cold"))
+    with pytest.raises(ConfigError, match=r"config key 'cold\.path': .* is in use by another TierStore"):
+        open_cold_directory(str(tmp_path / "cold"))
     first.close()
-    second = ColdTier(LAYOUT, NUM_SLOTS, str(tmp_path / "cold"), backend="posix")
-    second.close()
+    open_cold_directory(str(tmp_path / "cold")).close()  # released on close
 
 
-def test_cold_tiers_of_different_layouts_share_a_directory(tmp_path):
-    a = ColdTier(LAYOUT, 1, str(tmp_path), backend="posix")
-    b = ColdTier(layout_for("float16"), 1, str(tmp_path), backend="posix")
+def test_cold_tiers_of_different_layouts_share_a_directory(cold_directory):
+    directory = cold_directory()
+    a = ColdTier(LAYOUT, 1, directory, backend="posix")
+    b = ColdTier(layout_for("float16"), 1, directory, backend="posix")
     try:
         assert a.file_path != b.file_path
     finally:
@@ -352,9 +372,10 @@ def test_cold_tiers_of_different_layouts_share_a_directory(tmp_path):
         b.close()
 
 
-def test_kvikio_backend_is_used_where_it_works_and_refused_where_not(tmp_path):
+def test_kvikio_backend_is_used_where_it_works_and_refused_where_not(cold_directory, tmp_path):
+    directory = cold_directory()
     if kvikio_usable():  # a GPU machine with the [gpu] extra
-        tier = ColdTier(LAYOUT, 2, str(tmp_path / "cold"), backend="kvikio")
+        tier = ColdTier(LAYOUT, 2, directory, backend="kvikio")
         assert tier.io.name == "kvikio"
         data = random_blocks(1)
         tier.write_blocks([1], data)
@@ -362,18 +383,20 @@ def test_kvikio_backend_is_used_where_it_works_and_refused_where_not(tmp_path):
         tier.close()
         return
     with pytest.raises(ConfigError, match=r"config key 'cold\.backend': got 'kvikio'.*allowed here: 'auto', 'posix'"):
-        ColdTier(LAYOUT, 2, str(tmp_path / "cold"), backend="kvikio")
-    assert not (tmp_path / "cold").exists()  # checked before anything is created
+        ColdTier(LAYOUT, 2, directory, backend="kvikio")
+    assert os.listdir(tmp_path / "cold") == [LOCK_NAME]  # checked before the block file is created
 
 
-def test_cold_capacity_beyond_the_disk_raises_config_error(tmp_path):
+def test_cold_capacity_beyond_the_disk_raises_config_error(cold_directory, tmp_path):
     usage = shutil.disk_usage(tmp_path)
-    # far more than the disk holds (and than ext4's largest file), so fallocate fails at once
+    # far more than the disk holds (and than ext4's largest file): refused before fallocate
     num_slots = max(usage.total * 1024, 2**60) // 4096
+    directory = cold_directory()
     with pytest.raises(ConfigError, match=rf"config key 'cold\.capacity': {num_slots * 4096} bytes do not fit"):
-        ColdTier(LAYOUT, num_slots, str(tmp_path / "cold"), backend="posix")
-    # the failed attempt released its lock: a small tier on the same path opens
-    tier = ColdTier(LAYOUT, 2, str(tmp_path / "cold"), backend="posix")
+        ColdTier(LAYOUT, num_slots, directory, backend="posix")
+    assert os.listdir(tmp_path / "cold") == [LOCK_NAME]  # the block file it made is gone
+    # a small tier in the same directory opens
+    tier = ColdTier(LAYOUT, 2, directory, backend="posix")
     tier.close()
 
 

@@ -4,6 +4,10 @@ PosixBlockIO uses os.preadv / os.pwritev straight into caller-owned buffers (the
 path measured here). KvikioBlockIO (GPU extra) reads and writes device buffers through
 GPUDirect Storage; it needs libcuda even in compat mode, so it is chosen only when CUDA and
 kvikio are both present. Same methods either way.
+
+A read that finds fewer bytes than asked (a truncated file) raises ShortReadError, an OSError
+like any other read failure; the cold tier turns both into CorruptBlockError for the slot.
+`preallocate` is the one place file space is reserved, so a test can make it fail like a full disk.
 """
 
 from __future__ import annotations
@@ -11,6 +15,16 @@ from __future__ import annotations
 import os
 
 import numpy as np
+
+
+class ShortReadError(OSError):
+    """The file ended before the bytes asked for (it was truncated under us)."""
+
+
+def preallocate(fd: int, size_bytes: int) -> None:
+    """Reserve the first `size_bytes` of the file on disk (OSError ENOSPC/EDQUOT/EFBIG when they
+    do not fit); the file grows to at least that size."""
+    os.posix_fallocate(fd, 0, size_bytes)
 
 
 class PosixBlockIO:
@@ -25,7 +39,8 @@ class PosixBlockIO:
         while done < len(view):
             n = os.preadv(self.fd, [view[done:]], offset_bytes + done)
             if n <= 0:
-                raise OSError(f"short read at offset {offset_bytes + done} (file truncated?)")
+                raise ShortReadError(f"short read: the file ends before offset {offset_bytes + len(view)} "
+                                     f"(got {done} of {len(view)} bytes at offset {offset_bytes}; truncated?)")
             done += n
 
     def write_from(self, buffer: np.ndarray, offset_bytes: int) -> None:
@@ -42,16 +57,19 @@ class PosixBlockIO:
 
 
 class KvikioBlockIO(PosixBlockIO):
-    """Host buffers go through POSIX as above; device (torch cuda) buffers through kvikio."""
+    """Host buffers go through POSIX as above; device (torch cuda) buffers through kvikio.
+
+    kvikio opens files by path; it is given /proc/self/fd/<fd>, which reopens the very file behind
+    our fd, so it never follows a name that may have been replaced since we checked it."""
 
     name = "kvikio"
 
-    def __init__(self, fd: int, path: str):
+    def __init__(self, fd: int):
         super().__init__(fd)
         import kvikio  # noqa: F401  (GPU extra)
 
         self._kvikio = kvikio
-        self._file = kvikio.CuFile(path, "r+")
+        self._file = kvikio.CuFile(f"/proc/self/fd/{fd}", "r+")
 
     def read_into_device(self, tensor, offset_bytes: int) -> None:
         import cupy

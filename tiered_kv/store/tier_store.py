@@ -17,7 +17,6 @@ only touched under the lock. A store is not copied by `copy.deepcopy`: copies sh
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -34,7 +33,7 @@ from ..hw.link_monitor import make_link_monitor
 from ..pool import SlotPool
 from ..scheduler import COLD, HOT, TIER_NAMES, WARM, MemScheduler
 from ..tiers import ColdTier, HotTier, WarmTier
-from ..tiers.cold import lock_directory, prepare_directory
+from ..tiers.cold_files import ColdDirectory, open_cold_directory
 from .executor import PlanExecutor
 from .token_map import TierRun, TokenMapper
 
@@ -65,11 +64,10 @@ class TierStore:
         self.misses = 0
         self._closed = False
         self._num_owners = 0  # banks that created this store and close it together
-        self._cold_lock_fd: int | None = None
+        self._cold_directory: ColdDirectory | None = None
         if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
             # fail at start, not at the first spill, when the cold directory is unusable or taken
-            prepare_directory(self.config.cold.path)
-            self._cold_lock_fd = lock_directory(self.config.cold.path)
+            self._cold_directory = open_cold_directory(self.config.cold.path)
 
     def __deepcopy__(self, memo):
         return self  # a store is a shared resource: copies of banks share it
@@ -98,14 +96,26 @@ class TierStore:
         cfg = self.config
         capacities = [cfg.hot.resolve_blocks(layout.block_bytes), cfg.warm.resolve_blocks(layout.block_bytes),
                       cfg.cold.resolve_blocks(layout.block_bytes)]
-        tiers = [HotTier(layout, capacities[HOT], self.device, dtype),
-                 WarmTier(layout, capacities[WARM], dtype, self.pinned)]
-        tiers.append(ColdTier(layout, capacities[COLD], cfg.cold.path, cfg.cold.backend, cfg.cold.fsync)
-                     if capacities[COLD] > 0 else None)
+        tiers = []
+        try:
+            tiers.append(HotTier(layout, capacities[HOT], self.device, dtype))
+            tiers.append(WarmTier(layout, capacities[WARM], dtype, self.pinned))
+            tiers.append(ColdTier(layout, capacities[COLD], self._cold_directory, cfg.cold.backend, cfg.cold.fsync)
+                         if capacities[COLD] > 0 else None)
+            # host buffer for moves into and out of cold, preallocated (and touched) once
+            staging_blocks = max(1, min(STAGING_BYTES // layout.block_bytes, max(capacities)))
+            staging = torch.zeros((staging_blocks, *layout.record_shape()), dtype=dtype, pin_memory=self.pinned)
+        except BaseException:
+            # a failed start removes what it made: files, directories, and this store
+            for tier in tiers:
+                if tier is not None:
+                    tier.close()
+            if self._cold_directory is not None:
+                self._cold_directory.abort()
+                self._cold_directory = None
+            self._closed = True
+            raise
         pools = [SlotPool(n, TIER_NAMES[t]) for t, n in enumerate(capacities)]
-        # host buffer for moves into and out of cold, preallocated (and touched) once
-        staging_blocks = max(1, min(STAGING_BYTES // layout.block_bytes, max(capacities)))
-        staging = torch.zeros((staging_blocks, *layout.record_shape()), dtype=dtype, pin_memory=self.pinned)
         self.tiers, self.pools = tiers, pools
         self._executor = PlanExecutor(tiers, pools, self.index, staging, self.copy_engine, self.link_monitor,
                                       layout.block_bytes)
@@ -362,9 +372,9 @@ class TierStore:
                 if tier is not None:
                     tier.close()
             self.tiers[:] = [None] * len(self.tiers)
-            if self._cold_lock_fd is not None:
-                os.close(self._cold_lock_fd)  # closing the fd releases the flock
-                self._cold_lock_fd = None
+            if self._cold_directory is not None:
+                self._cold_directory.close()  # releases the lock; keeps the block files
+                self._cold_directory = None
             self._step_ended.notify_all()
 
     def __del__(self):

@@ -1,17 +1,16 @@
-"""Cold tier: block records in one preallocated file under `cold.path` (NVMe).
+"""Cold tier: block records in one preallocated file in the store's ColdDirectory (NVMe).
 
-File `kv-<layout signature>.blocks`, mode 0600, in a directory of mode 0700, sized at start
-with posix_fallocate (a full disk fails then, not mid-chat). Slot s's record starts at
-s * record_stride_bytes (4 KiB aligned for O_DIRECT / GPUDirect Storage) and holds the block's
+File `kv-<layout signature>.blocks`, opened through the directory (O_NOFOLLOW, 0600, ours
+alone; see cold_files.py), sized at start with posix_fallocate (a full disk fails then, not
+mid-chat). Slot s's record starts at s * record_stride_bytes (4 KiB aligned for O_DIRECT / GPUDirect Storage) and holds the block's
 `[L, 2, H, bs, D]` bytes; each layer slice has a CRC32 kept beside it, checked on every read.
-A slice that fails its check raises CorruptBlockError and is never served.
+A slice that fails its check, and a record that cannot be read whole (the file was truncated,
+or the read failed), raise CorruptBlockError with `.slot` set: never served, recomputed instead.
 Writes are made durable with fdatasync at `flush()` (end of each store step).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import os
 import zlib
@@ -22,6 +21,7 @@ import torch
 from ..blocks import KVLayout
 from ..errors import ConfigError, CorruptBlockError
 from ..hw.block_io import KvikioBlockIO, PosixBlockIO, kvikio_usable
+from .cold_files import ColdDirectory
 
 ALIGN_BYTES = 4096
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": np.uint16}
@@ -32,47 +32,15 @@ def layout_signature(layout: KVLayout) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def lock_directory(path: str) -> int:
-    """Hold an exclusive lock on `path`/.lock for this process (one store per cold directory:
-    slot allocation is in-process). Returns the lock's fd; ConfigError when another holds it."""
-    try:
-        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as exc:
-        raise ConfigError(f"config key 'cold.path': cannot create a lock file in {path!r}: {exc.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise ConfigError(
-            f"config key 'cold.path': {path!r} is in use by another TierStore (this or another process); "
-            "allowed: a cold.path no other running store uses"
-        ) from None
-    return fd
-
-
-def prepare_directory(path: str) -> None:
-    """Create `path` (0700) or check it is a writable directory; ConfigError otherwise."""
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        if not os.path.isdir(path):
-            raise NotADirectoryError(path)
-        if os.stat(path).st_mode & 0o077:
-            os.chmod(path, 0o700)
-        probe = os.path.join(path, f".probe-{os.getpid()}")
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise ConfigError(
-            f"config key 'cold.path': got {path!r}, which is not a writable directory ({exc.strerror or exc}); "
-            "allowed: a directory this process can create and write"
-        ) from None
-
-
 class ColdTier:
+    """`num_slots` block records in `directory` (opened and locked by the store at start; the
+    tier never closes it). A failed start leaves the directory as it found it: a file made now is
+    removed, a reused one is cut back to its old size."""
+
     name = "cold"
 
-    def __init__(self, layout: KVLayout, num_slots: int, path: str, backend: str = "auto", fsync: bool = True):
+    def __init__(self, layout: KVLayout, num_slots: int, directory: ColdDirectory, backend: str = "auto",
+                 fsync: bool = True):
         self.layout = layout
         self.num_slots = num_slots
         self.fsync = fsync
@@ -85,48 +53,22 @@ class ColdTier:
                 "config key 'cold.backend': got 'kvikio' but kvikio needs a CUDA device and the [gpu] extra "
                 "(cupy-cuda12x, kvikio-cu12); allowed here: 'auto', 'posix'"
             )
-        use_kvikio = can_use_kvikio
-        prepare_directory(path)
-        self.file_path = os.path.join(path, f"kv-{layout_signature(layout)}.blocks")
         self._dirty = False
         self._fd = None
-        self._fd = self._open_and_size()
-        self.io = KvikioBlockIO(self._fd, self.file_path) if use_kvikio else PosixBlockIO(self._fd)
+        self._file = directory.open_preallocated(f"kv-{layout_signature(layout)}.blocks",
+                                                 num_slots * self.record_stride_bytes)
+        self.file_path = self._file.path
+        self._fd = self._file.fd
+        try:
+            self.io = KvikioBlockIO(self._fd) if can_use_kvikio else PosixBlockIO(self._fd)
+        except BaseException:
+            directory.discard(self._file)
+            self._fd = None
+            raise
         # CRC32 of each layer slice of each slot, and whether that slice holds written data
         self.crc32 = np.zeros((num_slots, layout.num_layers), dtype=np.uint32)
         self.valid = np.zeros((num_slots, layout.num_layers), dtype=bool)
         self._layer_buffer = np.empty((2, layout.num_kv_heads, layout.block_size, layout.head_dim), self._np_dtype)
-
-    # ---- file lifecycle --------------------------------------------------------------------
-    def _open_and_size(self) -> int:
-        try:
-            fd = os.open(self.file_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise ConfigError(f"config key 'cold.path': cannot open {self.file_path!r}: {exc.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise ConfigError(
-                f"config key 'cold.path': {self.file_path!r} is in use by another process; "
-                "allowed: a cold.path no other running store uses"
-            ) from None
-        os.fchmod(fd, 0o600)
-        size_bytes = self.num_slots * self.record_stride_bytes
-        if size_bytes:
-            try:
-                os.posix_fallocate(fd, 0, size_bytes)
-            except OSError as exc:
-                os.close(fd)
-                if os.path.getsize(self.file_path) == 0:
-                    os.unlink(self.file_path)  # leave nothing behind for a store that never started
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                    raise ConfigError(
-                        f"config key 'cold.capacity': {size_bytes} bytes do not fit on the disk of {self.file_path!r} "
-                        f"({exc.strerror}); allowed: at most the free space there"
-                    ) from None
-                raise
-        return fd
 
     @property
     def capacity_bytes(self) -> int:
@@ -156,7 +98,11 @@ class ColdTier:
             while (packed and i + run < len(slots) and slots[i + run] == slot + run
                    and self.valid[slot + run].all()):
                 run += 1
-            self.io.read_into(out[i:i + run], self._offset(slot))
+            try:
+                self.io.read_into(out[i:i + run], self._offset(slot))
+            except OSError:  # find the slot whose record is short or unreadable
+                for k in range(run):
+                    self._read_bytes(slot + k, None, out[i + k])
             for k in range(run):
                 for layer in range(self.layout.num_layers):
                     self._check(slot + k, layer, out[i + k, layer])
@@ -213,14 +159,30 @@ class ColdTier:
         if not self.valid[slot, layer]:
             out.fill(0)
             return
-        self.io.read_into(out, self._offset(slot, layer))
+        self._read_bytes(slot, layer, out)
         self._check(slot, layer, out)
+
+    def _read_bytes(self, slot: int, layer: int | None, out: np.ndarray) -> None:
+        """Read slot `slot` (one layer, or the whole record for None) into `out`. A record that
+        cannot be read whole is as bad as one that fails its checksum: CorruptBlockError."""
+        if self._fd is None:
+            raise ValueError(f"cold tier on {self.file_path} is closed")
+        try:
+            self.io.read_into(out, self._offset(slot, layer or 0))
+        except OSError as exc:
+            part = "record" if layer is None else f"layer {layer}"
+            raise self._corrupt(slot, f"cold tier slot {slot} {part} cannot be read from {self.file_path} "
+                                      f"({exc.strerror or exc})") from None
 
     def _check(self, slot: int, layer: int, data: np.ndarray) -> None:
         if zlib.crc32(data) != self.crc32[slot, layer]:
-            error = CorruptBlockError(f"cold tier slot {slot} layer {layer} failed its CRC32 check in {self.file_path}")
-            error.slot = slot
-            raise error
+            raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} failed its CRC32 check in {self.file_path}")
+
+    @staticmethod
+    def _corrupt(slot: int, message: str) -> CorruptBlockError:
+        error = CorruptBlockError(message)
+        error.slot = slot
+        return error
 
     def verify(self, slots: list[int]) -> list[int]:
         """Read each slot back and check every layer's CRC32. Returns the slots that fail."""

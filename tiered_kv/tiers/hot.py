@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..blocks import KVLayout
+from ..hw.memory import allocate_slab
 
 
 class HotTier:
@@ -22,8 +23,9 @@ class HotTier:
         self.num_slots = num_slots
         self.device = device
         bs = layout.block_size
-        self.slab = torch.zeros(
-            (layout.num_layers, 2, layout.num_kv_heads, num_slots * bs, layout.head_dim), dtype=dtype, device=device
+        # checked against the device's free memory first: ConfigError('hot.capacity'), not an OOM
+        self.slab = allocate_slab(
+            "hot.capacity", (layout.num_layers, 2, layout.num_kv_heads, num_slots * bs, layout.head_dim), dtype, device
         )
         self._blocks = self.slab.view(layout.num_layers, 2, layout.num_kv_heads, num_slots, bs, layout.head_dim)
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..blocks import KVLayout
+from ..hw.memory import allocate_slab
 
 
 class WarmTier:
@@ -19,7 +20,9 @@ class WarmTier:
         self.layout = layout
         self.num_slots = num_slots
         self.pinned = pinned
-        self.slab = torch.zeros((num_slots, *layout.record_shape()), dtype=dtype, pin_memory=pinned)
+        # checked against host RAM first: ConfigError('warm.capacity'), not an OOM kill
+        self.slab = allocate_slab("warm.capacity", (num_slots, *layout.record_shape()), dtype, torch.device("cpu"),
+                                  pin_memory=pinned)
 
     @property
     def capacity_bytes(self) -> int:

@@ -1,0 +1,308 @@
+"""The cold tier's directory and the files in it: ours alone (DESIGN invariant 5).
+
+`open_cold_directory(path)` creates what is missing of `path` (mode 0700, remembering what it
+made), opens it and keeps its fd, refuses a directory that another user could write into, and
+takes the one-store-per-directory lock. Every file inside is opened relative to that fd with
+O_NOFOLLOW, so a symlink planted at one of our names is refused, never followed: its target is
+neither written, truncated nor chmod'ed. New files are created 0600 with O_EXCL; an existing file
+is reused only when it is a regular file of ours that no other user can read or write.
+
+Nothing we did not create is chmod'ed or deleted. `close()` keeps what we made (cold blocks are
+durable); `abort()`, for a start that failed, removes exactly what this start created.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..hw import block_io
+
+LOCK_NAME = ".lock"
+DIRECTORY_MODE = 0o700
+FILE_MODE = 0o600
+_NO_FOLLOW = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+_LOCK_ATTEMPTS = 3
+_CAPACITY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+@dataclass
+class OwnedFile:
+    """An open file inside a ColdDirectory. `created`: this start made it (and may remove it);
+    `original_size_bytes`: its size when opened, restored if sizing it fails."""
+
+    name: str
+    path: str
+    fd: int
+    created: bool
+    original_size_bytes: int
+
+
+def open_cold_directory(path: str) -> "ColdDirectory":
+    """The store's cold directory, created, checked and locked; ConfigError otherwise."""
+    return ColdDirectory(path)
+
+
+class ColdDirectory:
+    """One store's cold directory, held from start to close (see the module docstring).
+
+    A symlink at `path` itself is followed (it is the user's config); names inside never are.
+    """
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self.fd: int | None = None
+        self.created_directories: list[str] = []  # outermost first
+        self._created_files: dict[str, tuple[int, int]] = {}  # name -> (st_dev, st_ino) we made
+        self._lock: OwnedFile | None = None
+        try:
+            self._make_missing_directories()
+            self.fd = self._open_directory()
+            self._lock = self._take_lock()
+        except BaseException:
+            self.abort()
+            raise
+
+    # ---- start -----------------------------------------------------------------------------
+    def _make_missing_directories(self) -> None:
+        missing = []
+        at = self.path
+        while not os.path.lexists(at):  # a dangling symlink counts as present: never created through
+            missing.append(at)
+            parent = os.path.dirname(at)
+            if parent == at:
+                break
+            at = parent
+        for directory in reversed(missing):
+            try:
+                os.mkdir(directory, DIRECTORY_MODE)
+            except FileExistsError:
+                continue  # made by someone else meanwhile: not ours, checked below like any other
+            except OSError as exc:
+                raise self._path_error(f"which is not a writable directory (cannot create {directory!r}: "
+                                       f"{exc.strerror})") from None
+            self.created_directories.append(directory)
+            try:
+                _undo_umask(directory)
+            except OSError as exc:
+                raise self._path_error(f"where the directory {directory!r} it created cannot be opened "
+                                       f"({exc.strerror})") from None
+
+    def _open_directory(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise self._path_error(f"which is not a writable directory ({exc.strerror})") from None
+        info = os.fstat(fd)
+        euid = os.geteuid()
+        if self.path in self.created_directories:
+            return fd
+        problem = None
+        if info.st_uid != euid:
+            problem = f"a directory owned by uid {info.st_uid}, not by this process's uid {euid}"
+        elif info.st_mode & 0o022:
+            problem = f"a directory writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+        if problem:
+            os.close(fd)
+            raise self._path_error(f"which is {problem}; it is left as it is")
+        return fd
+
+    def _take_lock(self) -> OwnedFile:
+        """Exclusive flock on LOCK_NAME: slot allocation is in-process, so one store per directory."""
+        for _ in range(_LOCK_ATTEMPTS):
+            lock = self.open_file(LOCK_NAME)
+            try:
+                fcntl.flock(lock.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(lock.fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise ConfigError(
+                        f"config key 'cold.path': {self.path!r} is in use by another TierStore (this or another "
+                        "process); allowed: a cold.path no other running store uses"
+                    ) from None
+                raise self._path_error(f"whose lock file cannot be locked ({exc.strerror})") from None
+            # a store whose start failed may have removed the name after we opened it: lock the live one
+            if self._is_live(LOCK_NAME, lock.fd):
+                return lock
+            os.close(lock.fd)
+        raise self._path_error(f"whose lock file {LOCK_NAME!r} keeps being replaced while we lock it")
+
+    # ---- files -----------------------------------------------------------------------------
+    def file_path(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def open_file(self, name: str) -> OwnedFile:
+        """Open `name` read-write, creating it 0600 when absent; ConfigError for a symlink or a
+        file that is not ours alone."""
+        if self.fd is None:
+            raise ValueError(f"cold directory {self.path!r} is closed")
+        path = self.file_path(name)
+        try:
+            fd = os.open(name, _NO_FOLLOW | os.O_CREAT | os.O_EXCL, FILE_MODE, dir_fd=self.fd)
+        except FileExistsError:
+            fd = None
+        except OSError as exc:
+            raise self._path_error(f"where {name!r} cannot be created ({exc.strerror})") from None
+        if fd is not None:
+            info = os.fstat(fd)
+            self._created_files[name] = (info.st_dev, info.st_ino)
+            if stat.S_IMODE(info.st_mode) != FILE_MODE:
+                os.fchmod(fd, FILE_MODE)  # ours: undo a umask that took the owner's bits
+            return OwnedFile(name, path, fd, created=True, original_size_bytes=0)
+        try:
+            fd = os.open(name, _NO_FOLLOW, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ConfigError(
+                    f"config key 'cold.path': {path!r} is a symbolic link; the store never follows links inside "
+                    "its directory and left it and its target untouched; allowed: no file of that name (the "
+                    "store creates its own) or a regular file it created earlier"
+                ) from None
+            why = "it is a directory" if exc.errno == errno.EISDIR else exc.strerror
+            raise self._foreign_file_error(path, why) from None
+        info = os.fstat(fd)
+        why = _not_ours_alone(info)
+        if why:
+            os.close(fd)
+            raise self._foreign_file_error(path, why)
+        return OwnedFile(name, path, fd, created=False, original_size_bytes=info.st_size)
+
+    def open_preallocated(self, name: str, size_bytes: int) -> OwnedFile:
+        """`open_file(name)` with at least `size_bytes` allocated on disk, so a full disk fails
+        now and not mid-chat. When it does not fit: ConfigError naming 'cold.capacity', and the
+        file is removed (made now) or cut back to its original size (made earlier)."""
+        file = self.open_file(name)
+        try:
+            _preallocate(file, size_bytes)
+        except BaseException:
+            self.discard(file)
+            raise
+        return file
+
+    def discard(self, file: OwnedFile) -> None:
+        """Undo opening `file` in a failed start: close it, then remove it if this start made it,
+        else cut it back to the size it had (only growth we made is undone)."""
+        try:
+            if not file.created and os.fstat(file.fd).st_size != file.original_size_bytes:
+                os.ftruncate(file.fd, file.original_size_bytes)
+        finally:
+            os.close(file.fd)
+        if file.created:
+            self._remove_created(file.name)
+
+    def _remove_created(self, name: str) -> None:
+        identity = self._created_files.pop(name, None)
+        if identity is None or self.fd is None:
+            return
+        if self._is_live(name, identity):
+            os.unlink(name, dir_fd=self.fd)
+
+    def _is_live(self, name: str, fd_or_identity) -> bool:
+        """Whether `name` still names the file behind an fd (or a (st_dev, st_ino) pair)."""
+        if isinstance(fd_or_identity, int):
+            info = os.fstat(fd_or_identity)
+            fd_or_identity = (info.st_dev, info.st_ino)
+        try:
+            info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return (info.st_dev, info.st_ino) == fd_or_identity
+
+    # ---- end -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the lock and the directory fd; keep every file (the blocks are durable)."""
+        if self._lock is not None:
+            os.close(self._lock.fd)  # closing the fd releases the flock
+            self._lock = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def abort(self) -> None:
+        """For a start that failed: remove the files and directories this start created (files
+        first, then directories innermost first, each only while empty), then close. Files other
+        tiers still hold open stay readable through their fds until those close."""
+        if self.fd is not None:
+            for name in sorted(self._created_files, key=lambda n: n == LOCK_NAME):  # the lock last
+                self._remove_created(name)
+        self.close()
+        for directory in reversed(self.created_directories):
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break  # not empty (someone else's files): it and its parents stay
+        self.created_directories = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- messages --------------------------------------------------------------------------
+    def _path_error(self, what: str) -> ConfigError:
+        return ConfigError(
+            f"config key 'cold.path': got {self.path!r}, {what}; allowed: a directory owned by uid {os.geteuid()} "
+            "that only its owner can write (chmod go-w), or a path that does not exist yet (it is then created "
+            "with mode 0700)"
+        )
+
+    def _foreign_file_error(self, path: str, why: str) -> ConfigError:
+        return ConfigError(
+            f"config key 'cold.path': {path!r} exists but is not a file this store may use ({why}); it is left as "
+            f"it is; allowed: no file of that name (the store creates it) or a regular file owned by uid "
+            f"{os.geteuid()}, with one link and mode 0600"
+        )
+
+
+def _undo_umask(directory: str) -> None:
+    """A directory we just made gets exactly DIRECTORY_MODE, whatever the umask took away."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != DIRECTORY_MODE:
+            os.fchmod(fd, DIRECTORY_MODE)
+    finally:
+        os.close(fd)
+
+
+def _not_ours_alone(info: os.stat_result) -> str | None:
+    if not stat.S_ISREG(info.st_mode):
+        return "it is not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"it is owned by uid {info.st_uid}, not by this process's uid {os.geteuid()}"
+    if info.st_mode & 0o077:
+        return f"group or others may access it (mode {stat.S_IMODE(info.st_mode):04o})"
+    if info.st_nlink != 1:
+        return f"it has {info.st_nlink} hard links, so writing it would change another file"
+    return None
+
+
+def _preallocate(file: OwnedFile, size_bytes: int) -> None:
+    if size_bytes <= 0:
+        return
+    info = os.fstat(file.fd)
+    needed_bytes = max(0, size_bytes - info.st_blocks * 512)  # a reused file may already hold some
+    disk = os.fstatvfs(file.fd)
+    free_bytes = disk.f_bavail * disk.f_frsize
+    if needed_bytes > free_bytes:
+        raise _capacity_error(file, size_bytes, free_bytes, f"{needed_bytes} more bytes needed")
+    try:
+        block_io.preallocate(file.fd, size_bytes)
+    except OSError as exc:
+        if exc.errno in _CAPACITY_ERRNOS:
+            raise _capacity_error(file, size_bytes, free_bytes, exc.strerror) from None
+        raise ConfigError(
+            f"config key 'cold.path': cannot preallocate {size_bytes} bytes for {file.path!r} ({exc.strerror}); "
+            "allowed: a directory on a local file system that supports posix_fallocate"
+        ) from None
+
+
+def _capacity_error(file: OwnedFile, size_bytes: int, free_bytes: int, why: str) -> ConfigError:
+    return ConfigError(
+        f"config key 'cold.capacity': {size_bytes} bytes do not fit on the disk of {file.path!r} "
+        f"({free_bytes} bytes free there; {why}); allowed: at most the free space there"
+    )
