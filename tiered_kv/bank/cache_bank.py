@@ -22,18 +22,18 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..blocks import KVLayout, layout_from_model_config, num_blocks_for
+from ..blocks import layout_from_model_config
 from ..config import Config, load_config
-from ..errors import BankClosedError, CapacityError, CorruptBlockError, LayoutError
+from ..errors import BankClosedError, CorruptBlockError, LayoutError
 from ..identity import ModelFingerprint
 from ..scheduler import TIER_NAMES
 from ..store import TierStore
 from . import forward_watch
 from .chat_ops import ChatOps
+from .stepping import Stepping
 from .rows import Row
-from .step import PlacementCache, RowInputs, Step, blocks_needed, reads_host, tier_counts
+from .step import PlacementCache, RowInputs, Step
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 _STEP_OWNER_IDS = itertools.count(1)
 
 
@@ -70,7 +70,7 @@ class _BankLayer(CacheLayerMixin):
         return self._bank.batch_size
 
 
-class CacheBank(ChatOps, Cache):
+class CacheBank(Stepping, ChatOps, Cache):
     def __init__(self, model, config: Config | dict | str | None = None, *, store: TierStore | None = None,
                  model_id: str | None = None):
         if store is not None and config is not None and load_config(config) != store.config:
@@ -199,185 +199,6 @@ class CacheBank(ChatOps, Cache):
     def _structure_changed(self) -> None:
         self._block_set = {b for row in self._rows for b in row.table}
         self._placement_cache.invalidate()
-
-    # ---- forward hooks ---------------------------------------------------------------------
-    def _note_forward_inputs(self, module, input_ids, attention_mask, position_ids) -> None:
-        """Called before each forward of a watched model that uses this bank (forward_watch)."""
-        self._pending_inputs = None
-        model = self._model_ref() if self._model_ref is not None else None
-        if self._closed or model is None or module is not model or not isinstance(input_ids, torch.Tensor) \
-                or input_ids.dim() != 2:
-            return  # another model computes through this bank: its ids prove nothing about our KV
-        num_rows, num_new = input_ids.shape
-        verified = [True] * num_rows
-        if attention_mask is not None:
-            if attention_mask.dim() != 2:
-                verified = [False] * num_rows
-            else:
-                verified = [a and b for a, b in zip(verified, attention_mask.bool().all(dim=1).tolist())]
-        if position_ids is not None:
-            expected = torch.arange(self._seq_len, self._seq_len + num_new, device=position_ids.device)
-            if position_ids.dim() != 2 or position_ids.shape[-1] != num_new:
-                verified = [False] * num_rows
-            else:
-                rows_ok = (position_ids == expected).all(dim=1).tolist()
-                verified = [a and b for a, b in zip(verified, rows_ok * (num_rows if len(rows_ok) == 1 else 1))]
-        self._pending_inputs = [RowInputs(ids, ok) for ids, ok in zip(input_ids.tolist(), verified)]
-
-    def _note_forward_end(self, failed: bool) -> None:
-        self._pending_inputs = None
-        if failed and self._step is not None:
-            self._rollback_step()
-
-    def _take_inputs(self, num_rows: int, num_new: int) -> list[RowInputs]:
-        pending, self._pending_inputs = self._pending_inputs, None
-        if pending is None or len(pending) != num_rows or any(len(p.token_ids) != num_new for p in pending):
-            return [RowInputs(None, False) for _ in range(num_rows)]
-        return pending
-
-    # ---- one forward pass ------------------------------------------------------------------
-    def _begin_step(self, key_states: torch.Tensor) -> None:
-        self._abandon_step()  # a previous forward that never reached its last layer
-        num_rows, _, num_new, _ = key_states.shape
-        self._bind(key_states)
-        if self._rows and num_rows != len(self._rows):
-            raise LayoutError(
-                f"CacheBank holds {len(self._rows)} sequences but the model passed a batch of {num_rows}; "
-                "use batch_select_indices / batch_repeat_interleave, or reset() the bank")
-        num_tokens = self._seq_len + num_new
-        self._check_fits(num_rows, num_tokens)
-        inputs = self._take_inputs(num_rows, num_new)
-        store, block_size = self.store, self.config.block_size
-        with store.lock:
-            store.drain_deferred()
-            step = Step(num_new, num_tokens, created_rows=not self._rows, inputs=inputs)
-            if step.created_rows:
-                self._rows = [Row() for _ in range(num_rows)]
-            self._step = step
-            try:
-                self._open_step(step, store, block_size)
-            except CorruptBlockError as error:
-                self._rollback_step()
-                raise self._corrupt_error(error) from error
-            except BaseException:
-                self._rollback_step()
-                raise
-
-    def _open_step(self, step: Step, store: TierStore, block_size: int) -> None:
-        if self._seq_len % block_size:  # a partly filled tail is about to change
-            for r, row in enumerate(self._rows):
-                tail = row.table[-1]
-                _, ref_count, key = store.block_info(tail)
-                if ref_count > 1 or key is not None:  # shared, or named by a key: keep its content
-                    step.tail_copies[r] = (tail, store.copy_block(tail))
-                    self._block_set.add(step.tail_copies[r][1])
-        needed = [blocks_needed(step.num_tokens, block_size, row.table) for row in self._rows]
-        new_ids = store.allocate(sum(needed))  # CapacityError with nothing changed
-        for count in needed:
-            step.new_blocks.append(new_ids[:count])
-            self._block_set.update(new_ids[:count])
-            del new_ids[:count]
-        tables = [step.block_table(r, row.table) for r, row in enumerate(self._rows)]
-        if step.num_new_tokens > 1:  # a new turn: bring this chat's history up before reading it
-            self._promote_tables(tables)
-        store.begin_step(self._step_owner, self._block_set)
-        step.placement_version = store.index.placement_version
-        step.placements = [self._placement_cache.lookup(store, r, table) for r, table in enumerate(tables)]
-        for tiers, slots in step.placements:
-            step.write_runs.append(store.mapper.map_range(tiers, slots, self._seq_len, step.num_tokens))
-            step.read_runs.append(store.mapper.map_range(tiers, slots, 0, step.num_tokens))
-        step.reads_host_tiers = reads_host(step.read_runs)
-        if store.index.order_version != self._touched_order_version:  # else our blocks are still the most recent
-            store.touch(self._block_set)
-        self._touched_order_version = store.index.order_version
-        store.count_hits(tier_counts(step.placements))
-
-    def _commit_step(self) -> None:
-        step, store, block_size = self._step, self.store, self.config.block_size
-        replaced = []
-        with store.lock:
-            for r, row in enumerate(self._rows):
-                if r in step.tail_copies:
-                    old_tail, row.table[-1] = step.tail_copies[r]
-                    replaced.append(old_tail)
-                row.table.extend(step.new_blocks[r])
-                inputs = step.inputs[r]
-                if inputs.token_ids is not None and len(row.token_ids) == self._seq_len:
-                    row.token_ids.extend(inputs.token_ids)
-                    if inputs.verified and row.num_verified_tokens == self._seq_len:
-                        row.num_verified_tokens = step.num_tokens
-                self._publish(row)
-            self._seq_len = step.num_tokens
-            self._placement_cache.remember(step.placement_version, [row.table for row in self._rows], step.placements)
-            self._step = None
-            store.end_step(self._step_owner, step.reads_host_tiers)
-            if replaced:
-                store.release(replaced)
-                self._block_set = {b for row in self._rows for b in row.table}
-
-    def _publish(self, row: Row) -> None:
-        """Publish the row's newly full, verified blocks (O(new blocks) a step)."""
-        if not (self.verifies_token_ids and self.fingerprint.is_shareable):
-            return
-        block_size = self.config.block_size
-        row.extend_keys(self.fingerprint.root_key(self.store.layout.dtype_name), block_size)
-        for i in range(row.num_published_blocks, row.num_publishable_blocks(block_size)):
-            self.store.publish(row.table[i], row.keys[i])
-        row.num_published_blocks = max(row.num_published_blocks, row.num_publishable_blocks(block_size))
-
-    def _rollback_step(self) -> None:
-        """Undo an open step: release what it allocated, drop its pins; the bank is as before."""
-        step, self._step = self._step, None
-        if step is None:
-            return
-        store = self.store
-        with store.lock:
-            store.end_step(self._step_owner)
-            if step.created_rows:
-                self._rows = []
-            self._structure_changed()
-            if not store.is_closed:
-                store.release(step.allocated_block_ids())
-
-    def _abandon_step(self) -> None:
-        if self._step is not None:
-            self._rollback_step()
-
-    def _corrupt_error(self, error: CorruptBlockError) -> CorruptBlockError:
-        first_bad = self._drop_from_first_corrupt()
-        where = f"; the bank dropped everything from token {first_bad} on" if first_bad is not None else ""
-        return CorruptBlockError(f"{error}{where}. Call generate again with the whole conversation to recompute it")
-
-    def _check_fits(self, num_rows: int, num_tokens: int) -> None:
-        """CapacityError when `num_rows` sequences of `num_tokens` cannot fit in all tiers at once."""
-        if not self.store.is_bound:
-            return
-        block_size = self.config.block_size
-        total_blocks = num_rows * num_blocks_for(num_tokens, block_size)
-        if total_blocks > self.store.total_capacity_blocks:
-            hot, warm, cold = self.store.capacities
-            raise CapacityError(
-                f"this conversation needs {total_blocks} blocks ({num_rows} x {num_tokens} tokens, "
-                f"{block_size} tokens per block) but hot+warm+cold hold {self.store.total_capacity_blocks} blocks "
-                f"(hot {hot}, warm {warm}, cold {cold}); nothing was written. "
-                "Raise a tier's capacity or shorten the conversation")
-
-    def _bind(self, key_states: torch.Tensor) -> None:
-        dtype_name = _DTYPE_NAMES.get(key_states.dtype)
-        if dtype_name is None:
-            raise LayoutError(f"key_states dtype {key_states.dtype} is not supported; allowed: {list(_DTYPE_NAMES)}")
-        base = self._layout_no_dtype
-        layout = KVLayout(base.num_layers, base.num_kv_heads, base.head_dim, base.block_size, dtype_name)
-        _, num_heads, _, head_dim = key_states.shape
-        if (num_heads, head_dim) != (layout.num_kv_heads, layout.head_dim):
-            raise LayoutError(
-                f"key_states have {num_heads} heads x {head_dim} dims but the model config says "
-                f"num_key_value_heads={layout.num_kv_heads}, head_dim={layout.head_dim}")
-        self.store.bind(layout, key_states.dtype)
-        if key_states.device != self.store.device:
-            raise LayoutError(
-                f"the model runs on {key_states.device} but the hot tier is on {self.store.device}; "
-                f"set hot.device to '{key_states.device}' or move the model")
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _check_open(self) -> None:

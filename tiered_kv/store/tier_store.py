@@ -26,7 +26,7 @@ import torch
 from ..block_index import BlockIndex
 from ..blocks import KVLayout
 from ..config import Config, load_config
-from ..errors import CapacityError, CorruptBlockError, LayoutError
+from ..errors import CapacityError, LayoutError
 from ..hw.copy_engine import make_copy_engine
 from ..hw.devices import resolve_device, resolve_pinned
 from ..hw.link_monitor import make_link_monitor
@@ -35,13 +35,14 @@ from ..scheduler import COLD, HOT, TIER_NAMES, WARM, MemScheduler
 from ..tiers import ColdTier, HotTier, WarmTier
 from ..tiers.cold_files import ColdDirectory, open_cold_directory
 from .executor import PlanExecutor
+from .step_access import StepAccess
 from .token_map import TierRun, TokenMapper
 
 STAGING_BYTES = 32 * 2**20  # host staging for cold-tier batches
 PIN_WAIT_S = 60.0  # how long an allocation waits for other steps to unpin blocks it needs
 
 
-class TierStore:
+class TierStore(StepAccess):
     def __init__(self, config: Config | dict | str | None = None):
         self.config = load_config(config if config is not None else {})
         self.device = resolve_device(self.config.hot.device)
@@ -171,20 +172,6 @@ class TierStore:
             f"each) but all tiers together hold {self.total_capacity_blocks} (hot {hot}, warm {warm}, cold {cold}) "
             f"and {referenced} are in use; raise a tier's capacity or shorten the conversation")
 
-    def release_later(self, block_ids: list[int], step_block_ids: list[int], step_owner: int) -> None:
-        """For a bank collected by the garbage collector: queue its references and its step's
-        pins, to be dropped at the store's next operation. Takes no lock (the collector may run
-        while this very thread holds it mid-operation); deque.append is atomic."""
-        self._deferred.append((list(block_ids) + list(step_block_ids), step_owner))
-
-    def drain_deferred(self) -> None:
-        with self.lock:
-            while self._deferred and not self._closed:
-                block_ids, step_owner = self._deferred.popleft()
-                self._pinned_by_step.pop(step_owner, None)
-                self.release(block_ids)
-                self._step_ended.notify_all()
-
     def retain(self, block_ids: list[int]) -> None:
         with self.lock:
             for block_id in block_ids:
@@ -237,9 +224,6 @@ class TierStore:
             return entry.tier, entry.ref_count, entry.key
 
     # ---- placement -------------------------------------------------------------------------
-    def is_pinned(self, block_id: int) -> bool:
-        return any(block_id in blocks for blocks in self._pinned_by_step.values())
-
     def promote(self, block_ids: list[int]) -> list[int]:
         """Bring blocks up (hot first). Returns ids found corrupt on the way (never served)."""
         with self.lock:
@@ -268,54 +252,6 @@ class TierStore:
         with self.lock:
             entries = [self.index.get(b) for b in block_ids]
             return [e.tier for e in entries], [e.slot for e in entries]
-
-    # ---- tokens of one layer ---------------------------------------------------------------
-    def map_tokens(self, block_ids: list[int], offsets: list[int]) -> list[TierRun]:
-        """Runs for arbitrary tokens, each given as (block id, offset in block). The caller keeps
-        the blocks from moving (a pinned step, or no other thread) while it uses the runs."""
-        import numpy as np
-
-        with self.lock:
-            tiers, slots = self.placements(block_ids)
-            tiers, slots = np.asarray(tiers, dtype=np.int64), np.asarray(slots, dtype=np.int64)
-            if (tiers < 0).any():
-                bad = sorted({b for b, t in zip(block_ids, tiers) if t < 0})
-                raise CorruptBlockError(f"blocks {bad} failed their checksum and must be recomputed")
-            return self.mapper.group_by_tier(tiers, slots, np.asarray(offsets, dtype=np.int64))
-
-    def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:
-        with self.lock:
-            return self.mapper.read_layer(layer, runs, num_tokens)
-
-    def write_layer(self, layer: int, runs: list[TierRun], kv: torch.Tensor) -> None:
-        with self.lock:
-            self.mapper.write_layer(layer, runs, kv)
-
-    # ---- steps -----------------------------------------------------------------------------
-    def begin_step(self, owner: int, block_ids: set[int]) -> None:
-        """Pin `block_ids` for a forward pass of `owner` until end_step(owner)."""
-        with self.lock:
-            self._pinned_by_step[owner] = block_ids
-
-    def end_step(self, owner: int, read_host_tiers: bool = False) -> None:
-        """Unpin a step's blocks (it ended or was rolled back) and make cold writes durable."""
-        with self.lock:
-            if self._pinned_by_step.pop(owner, None) is None:
-                return
-            if read_host_tiers:
-                self.copy_engine.after_host_to_device()  # warm slots may be reused by the host next
-            if not self._closed and self.tiers[COLD] is not None:
-                self.tiers[COLD].flush()
-            self._step_ended.notify_all()
-
-    def touch(self, block_ids) -> None:
-        with self.lock:
-            self.index.touch(block_ids)
-
-    def count_hits(self, tier_counts: dict[int, int]) -> None:
-        with self.lock:
-            for tier, count in tier_counts.items():
-                self.hits[TIER_NAMES[tier]] += count
 
     # ---- reporting / teardown --------------------------------------------------------------
     @property

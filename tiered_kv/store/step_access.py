@@ -1,0 +1,80 @@
+"""The store's side of a forward pass: pins, layer reads and writes, deferred releases.
+
+Mixed into TierStore; every method takes the store lock. A step pins its bank's blocks from
+layer 0 to its last layer (`begin_step` / `end_step`): plans never move or drop a pinned block,
+so the step's token mapping stays valid while the model computes without the lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import CorruptBlockError
+from ..scheduler import COLD, TIER_NAMES
+from .token_map import TierRun
+
+
+class StepAccess:
+    def is_pinned(self, block_id: int) -> bool:
+        return any(block_id in blocks for blocks in self._pinned_by_step.values())
+
+    def release_later(self, block_ids: list[int], step_block_ids: list[int], step_owner: int) -> None:
+        """For a bank collected by the garbage collector: queue its references and its step's
+        pins, to be dropped at the store's next operation. Takes no lock (the collector may run
+        while this very thread holds it mid-operation); deque.append is atomic."""
+        self._deferred.append((list(block_ids) + list(step_block_ids), step_owner))
+
+    def drain_deferred(self) -> None:
+        with self.lock:
+            while self._deferred and not self._closed:
+                block_ids, step_owner = self._deferred.popleft()
+                self._pinned_by_step.pop(step_owner, None)
+                self.release(block_ids)
+                self._step_ended.notify_all()
+
+    # ---- tokens of one layer ---------------------------------------------------------------
+    def map_tokens(self, block_ids: list[int], offsets: list[int]) -> list[TierRun]:
+        """Runs for arbitrary tokens, each given as (block id, offset in block). The caller keeps
+        the blocks from moving (a pinned step, or no other thread) while it uses the runs."""
+        with self.lock:
+            tiers, slots = self.placements(block_ids)
+            tiers, slots = np.asarray(tiers, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+            if (tiers < 0).any():
+                bad = sorted({b for b, t in zip(block_ids, tiers) if t < 0})
+                raise CorruptBlockError(f"blocks {bad} failed their checksum and must be recomputed")
+            return self.mapper.group_by_tier(tiers, slots, np.asarray(offsets, dtype=np.int64))
+
+    def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:
+        with self.lock:
+            return self.mapper.read_layer(layer, runs, num_tokens)
+
+    def write_layer(self, layer: int, runs: list[TierRun], kv: torch.Tensor) -> None:
+        with self.lock:
+            self.mapper.write_layer(layer, runs, kv)
+
+    # ---- steps -----------------------------------------------------------------------------
+    def begin_step(self, owner: int, block_ids: set[int]) -> None:
+        """Pin `block_ids` for a forward pass of `owner` until end_step(owner)."""
+        with self.lock:
+            self._pinned_by_step[owner] = block_ids
+
+    def end_step(self, owner: int, read_host_tiers: bool = False) -> None:
+        """Unpin a step's blocks (it ended or was rolled back) and make cold writes durable."""
+        with self.lock:
+            if self._pinned_by_step.pop(owner, None) is None:
+                return
+            if read_host_tiers:
+                self.copy_engine.after_host_to_device()  # warm slots may be reused by the host next
+            if not self._closed and self.tiers[COLD] is not None:
+                self.tiers[COLD].flush()
+            self._step_ended.notify_all()
+
+    def touch(self, block_ids) -> None:
+        with self.lock:
+            self.index.touch(block_ids)
+
+    def count_hits(self, tier_counts: dict[int, int]) -> None:
+        with self.lock:
+            for tier, count in tier_counts.items():
+                self.hits[TIER_NAMES[tier]] += count
