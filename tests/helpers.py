@@ -46,3 +46,42 @@ def tier_config(kind: str, cold_dir, block_size: int = BLOCK_SIZE) -> dict:
 
 
 TIER_KINDS = ("all_hot", "forces_warm", "forces_cold")
+
+
+# ---- shared by the issue-5 tests (verified history, threads, atomic steps, deepcopy, close) ----
+
+FORMS = ("model", "config")  # CacheBank(model, ...) sees every computed id; CacheBank(model.config, ...) does not
+
+
+def rand_ids(seed: int, length: int) -> torch.Tensor:
+    """`[1, length]` random token ids (never the pad id 0)."""
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def same_shape_model(model, seed: int):
+    """A model with `model`'s exact config (so the same KV shape) and different random weights."""
+    torch.manual_seed(seed)
+    other = type(model)(type(model.config).from_dict(model.config.to_dict()))
+    other.eval()
+    other.generation_config.eos_token_id = None
+    other.generation_config.pad_token_id = 0
+    return other
+
+
+def make_bank(form: str, model, config=None, **kwargs):
+    """A CacheBank built from the model itself ("model") or from its config only ("config")."""
+    import tiered_kv
+
+    return tiered_kv.CacheBank(model if form == "model" else model.config, config, **kwargs)
+
+
+def greedy(model, ids: torch.Tensor, cache, max_new_tokens: int) -> torch.Tensor:
+    return model.generate(ids, cache=cache, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                          do_sample=False)
+
+
+def reference(model, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """The same generate() through a fresh transformers DynamicCache."""
+    from transformers import DynamicCache
+
+    return greedy(model, ids, DynamicCache(config=model.config), max_new_tokens)

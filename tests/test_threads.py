@@ -1,0 +1,182 @@
+"""One TierStore, many threads (issue 5, defect 3): a server-like stress test.
+
+One model instance, one store with hot and warm squeezed to a few blocks (so blocks move every turn)
+and a cold tier that holds everything, 8 chats (half of them sharing a system prefix) driven from 4
+threads for 3 turns each. A chat's turns may run on different threads. Every chat's greedy tokens
+must equal its own DynamicCache run (computed single-threaded first), no thread may raise, a sampler
+thread must never see a tier over its capacity, and the whole run must end (join timeouts: a
+deadlock fails the test instead of hanging it; the threads are daemons).
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import tiered_kv
+from helpers import greedy, make_bank, rand_ids, tier_config, tiny_model
+
+NUM_CHATS, NUM_THREADS, NUM_TURNS = 8, 4, 3
+JOIN_TIMEOUT_S = 60.0
+SEEDS = range(10)
+
+
+@dataclass
+class Chat:
+    prompt: torch.Tensor
+    users: list  # the user turns after the first, [1, n] each
+    new_tokens: list  # max_new_tokens per turn
+    outputs: list = field(default_factory=list)
+    bank: object = None
+
+    def next_ids(self, outputs: list) -> torch.Tensor:
+        turn = len(outputs)
+        return self.prompt if turn == 0 else torch.cat([outputs[-1], self.users[turn - 1]], 1)
+
+
+def _chats(seed: int) -> list[Chat]:
+    rng = random.Random(seed)
+    system = rand_ids(10_000 + seed, 8)  # half the chats share it: their first blocks are shared
+    chats = []
+    for i in range(NUM_CHATS):
+        own = rand_ids(100 * seed + i, rng.randint(3, 9))
+        prompt = torch.cat([system, own], 1) if i % 2 == 0 else own
+        users = [rand_ids(100_000 + 100 * seed + 10 * i + t, rng.randint(2, 6)) for t in range(NUM_TURNS - 1)]
+        chats.append(Chat(prompt, users, [rng.randint(3, 6) for _ in range(NUM_TURNS)]))
+    return chats
+
+
+def _reference(model, chat: Chat) -> list[torch.Tensor]:
+    cache, outputs = DynamicCache(config=model.config), []
+    for turn in range(NUM_TURNS):
+        outputs.append(greedy(model, chat.next_ids(outputs), cache, chat.new_tokens[turn]))
+    return outputs
+
+
+def _squeezed_config(tmp_path) -> dict:
+    config = tier_config("forces_cold", tmp_path)
+    config["hot"]["capacity_blocks"] = 3
+    config["warm"]["capacity_blocks"] = 4
+    config["cold"]["capacity_blocks"] = 256
+    return config
+
+
+def _run_threaded(model, store, chats: list[Chat], form: str, seed: int):
+    """Drive every chat's turns from NUM_THREADS worker threads. Returns (errors, overflows, alive)."""
+    tasks: queue.Queue = queue.Queue()
+    order = list(range(len(chats)))
+    random.Random(seed).shuffle(order)
+    for i in order:
+        tasks.put(i)
+    lock = threading.Lock()
+    finished = [0]
+    errors, overflows = [], []
+    stop = threading.Event()
+
+    def worker():
+        while True:
+            with lock:
+                if finished[0] == len(chats) or errors:
+                    return
+            try:
+                i = tasks.get(timeout=0.005)
+            except queue.Empty:
+                continue
+            chat = chats[i]
+            try:
+                if chat.bank is None:
+                    chat.bank = make_bank(form, model, store=store)
+                ids = chat.next_ids(chat.outputs)
+                chat.bank.attach(ids)
+                chat.outputs.append(greedy(model, ids, chat.bank, chat.new_tokens[len(chat.outputs)]))
+                if len(chat.outputs) == NUM_TURNS:
+                    chat.bank.close()
+                    with lock:
+                        finished[0] += 1
+                else:
+                    tasks.put(i)  # its next turn may run on another thread
+            except BaseException as error:  # noqa: BLE001 - reported by the test
+                with lock:
+                    errors.append(f"chat {i} turn {len(chat.outputs)}: {type(error).__name__}: {error}")
+                return
+
+    def sampler():
+        while not stop.is_set():
+            try:
+                for name, tier in store.stats()["tiers"].items():
+                    if tier["used_blocks"] > tier["capacity_blocks"]:
+                        overflows.append(f"{name}: {tier['used_blocks']} > {tier['capacity_blocks']}")
+            except BaseException as error:  # noqa: BLE001
+                errors.append(f"sampler: store.stats() raised {type(error).__name__}: {error}")
+                return
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=sampler, daemon=True, name="stats-sampler")
+    workers = [threading.Thread(target=worker, daemon=True, name=f"chat-worker-{n}") for n in range(NUM_THREADS)]
+    watcher.start()
+    for thread in workers:
+        thread.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    for thread in workers:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stop.set()
+    watcher.join(5.0)
+    alive = [thread.name for thread in workers + [watcher] if thread.is_alive()]
+    return errors, overflows, alive
+
+
+def _stress(form: str, seed: int, tmp_path):
+    model = tiny_model("llama")  # one model instance serves every chat, like a server
+    chats = _chats(seed)
+    expected = [_reference(model, chat) for chat in chats]  # single-threaded, before
+    store = tiered_kv.TierStore(_squeezed_config(tmp_path))
+    errors, overflows, alive = _run_threaded(model, store, chats, form, seed)
+    assert not alive, f"deadlock: threads {alive} still running after {JOIN_TIMEOUT_S} s"
+    assert not errors, errors
+    assert not overflows, f"tiers over capacity: {sorted(set(overflows))}"
+    for i, (chat, want) in enumerate(zip(chats, expected)):
+        assert len(chat.outputs) == NUM_TURNS, f"chat {i} ran {len(chat.outputs)} turns"
+        for turn, (got, ref) in enumerate(zip(chat.outputs, want)):
+            assert torch.equal(got, ref), f"chat {i} turn {turn}: {got.tolist()} != {ref.tolist()}"
+    moved = store.stats()["bytes_moved"]
+    assert sum(moved.values()) > 0, f"the squeezed tiers moved no block: {moved}"
+    store.close()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_many_chats_from_many_threads_on_one_store(seed, tmp_path):
+    _stress("model", seed, tmp_path)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_many_config_banks_from_many_threads_on_one_store(seed, tmp_path):
+    """The same with banks built from model.config (no id recording; the store's locking alone)."""
+    _stress("config", seed, tmp_path)
+
+
+def test_threads_harness_with_dynamic_cache_matches_single_threaded():
+    """Control: the harness itself (one model, 4 threads) is deterministic without any CacheBank."""
+    model = tiny_model("llama")
+    chats = _chats(0)
+    expected = [_reference(model, chat) for chat in chats]
+    results: dict = {}
+
+    def run(i):
+        results[i] = _reference(model, chats[i])
+
+    threads = [threading.Thread(target=lambda n=n: [run(i) for i in range(n, NUM_CHATS, NUM_THREADS)], daemon=True)
+               for n in range(NUM_THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_TIMEOUT_S)
+    assert not any(thread.is_alive() for thread in threads)
+    for i in range(NUM_CHATS):
+        assert all(torch.equal(a, b) for a, b in zip(results[i], expected[i])), f"chat {i}"
