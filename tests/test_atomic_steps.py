@@ -114,7 +114,7 @@ def _corrupt_a_shared_cold_block(first, second, layer: int) -> int:
     """Flip one byte of one layer of the on-disk record of a cold block both banks hold; returns the
     block's position in the chat. The one place these tests reach into store and bank internals."""
     store = first.store
-    shared = [b for b in first._tables[0] if b in second._tables[0] and store.index.get(b).tier == 2]
+    shared = [b for b in first.block_table(0) if b in second.block_table(0) and store.index.get(b).tier == 2]
     assert shared, "the config must have pushed the shared prefix to cold"
     victim = shared[0]
     cold = store.tiers[2]
@@ -127,7 +127,7 @@ def _corrupt_a_shared_cold_block(first, second, layer: int) -> int:
         f.write(bytes([byte[0] ^ 0xFF]))
         f.flush()
         os.fsync(f.fileno())
-    return first._tables[0].index(victim)
+    return first.block_table(0).index(victim)
 
 
 def _turn_with_one_retry(model, bank, ids, max_new_tokens):

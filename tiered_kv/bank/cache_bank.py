@@ -16,6 +16,7 @@ only for itself; it never publishes, and looks blocks up only when given `model_
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 
 import numpy as np
@@ -255,7 +256,12 @@ class CacheBank(Stepping, ChatOps, Cache):
         return f"CacheBank(rows={len(self._rows)}, tokens={self._seq_len}, block_size={self.config.block_size})"
 
     def stats(self) -> dict:
+        """Store-wide tier use, hits, misses and bytes moved, plus this bank's blocks per tier
+        and length. A step this thread opened and never finished (a config-only bank has no
+        hook to see its forward fail) is rolled back first, so the figures are committed ones."""
         self._check_open()
+        if self._step is not None and self._step.thread_id == threading.get_ident():
+            self._rollback_step()
         out = self.store.stats()
         per_tier = {name: 0 for name in TIER_NAMES}
         with self.store.lock:

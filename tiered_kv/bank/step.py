@@ -12,6 +12,7 @@ since the bank's previous step (placements are cached against the store's placem
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,9 +36,11 @@ class Step:
     num_tokens: int  # the bank's length once committed
     created_rows: bool  # the bank had no rows before this step
     inputs: list[RowInputs]
+    thread_id: int = field(default_factory=threading.get_ident)
     tail_copies: dict[int, tuple[int, int]] = field(default_factory=dict)  # row -> (old tail, its copy)
     new_blocks: list[list[int]] = field(default_factory=list)  # per row
     placements: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # per row: tiers, slots
+    moves: list = field(default_factory=list)  # moves applied to make room, undone on rollback
     placement_version: int = -1
     write_runs: list[list[TierRun]] = field(default_factory=list)
     read_runs: list[list[TierRun]] = field(default_factory=list)

@@ -86,6 +86,26 @@ class Stepping:
                 raise
 
     def _open_step(self, step: Step, store: TierStore, block_size: int) -> None:
+        store.start_journal()  # the moves made for this step, undone if it is rolled back
+        try:
+            self._make_room(step, store, block_size)
+        finally:
+            step.moves = store.stop_journal()
+        store.begin_step(self._step_owner, self._block_set)
+        step.placement_version = store.index.placement_version
+        tables = [step.block_table(r, row.table) for r, row in enumerate(self._rows)]
+        step.placements = [self._placement_cache.lookup(store, r, table) for r, table in enumerate(tables)]
+        for tiers, slots in step.placements:
+            step.write_runs.append(store.mapper.map_range(tiers, slots, self._seq_len, step.num_tokens))
+            step.read_runs.append(store.mapper.map_range(tiers, slots, 0, step.num_tokens))
+        step.reads_host_tiers = reads_host(step.read_runs)
+        if store.index.order_version != self._touched_order_version:  # else our blocks are still the most recent
+            store.touch(self._block_set)
+        self._touched_order_version = store.index.order_version
+        store.count_hits(tier_counts(step.placements))
+
+    def _make_room(self, step: Step, store: TierStore, block_size: int) -> None:
+        """Copy-on-write of a shared tail, blocks for the new tokens, history up on a new turn."""
         if self._seq_len % block_size:  # a partly filled tail is about to change
             for r, row in enumerate(self._rows):
                 tail = row.table[-1]
@@ -99,20 +119,8 @@ class Stepping:
             step.new_blocks.append(new_ids[:count])
             self._block_set.update(new_ids[:count])
             del new_ids[:count]
-        tables = [step.block_table(r, row.table) for r, row in enumerate(self._rows)]
         if step.num_new_tokens > 1:  # a new turn: bring this chat's history up before reading it
-            self._promote_tables(tables)
-        store.begin_step(self._step_owner, self._block_set)
-        step.placement_version = store.index.placement_version
-        step.placements = [self._placement_cache.lookup(store, r, table) for r, table in enumerate(tables)]
-        for tiers, slots in step.placements:
-            step.write_runs.append(store.mapper.map_range(tiers, slots, self._seq_len, step.num_tokens))
-            step.read_runs.append(store.mapper.map_range(tiers, slots, 0, step.num_tokens))
-        step.reads_host_tiers = reads_host(step.read_runs)
-        if store.index.order_version != self._touched_order_version:  # else our blocks are still the most recent
-            store.touch(self._block_set)
-        self._touched_order_version = store.index.order_version
-        store.count_hits(tier_counts(step.placements))
+            self._promote_tables([step.block_table(r, row.table) for r, row in enumerate(self._rows)])
 
     def _commit_step(self) -> None:
         step, store = self._step, self.store
@@ -160,6 +168,7 @@ class Stepping:
             self._structure_changed()
             if not store.is_closed:
                 store.release(step.allocated_block_ids())
+                store.undo_moves(step.moves)
 
     def _abandon_step(self) -> None:
         if self._step is not None:

@@ -15,13 +15,14 @@ an asynchronous host-to-device copy may still be reading it, the executor waits 
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
 from ..block_index import BlockIndex
 from ..errors import CorruptBlockError
 from ..pool import SlotPool
-from ..scheduler import COLD, DROPPED, HOT, TIER_NAMES, Plan
+from ..scheduler import COLD, DROPPED, HOT, TIER_NAMES, Move, Plan
 
 log = logging.getLogger("tiered_kv")
 
@@ -37,6 +38,19 @@ class PlanExecutor:
         self.link_monitor = link_monitor
         self.block_bytes = block_bytes
         self.bytes_moved = {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
+        self._journals: dict[int, list[Move]] = {}  # thread id -> moves applied while it records
+
+    # ---- a journal of moves, so a failed step can put blocks back ------------------------------
+    def start_journal(self) -> None:
+        self._journals[threading.get_ident()] = []
+
+    def stop_journal(self) -> list[Move]:
+        return self._journals.pop(threading.get_ident(), [])
+
+    def _record(self, block_id: int, src_tier: int, dst_tier: int) -> None:
+        journal = self._journals.get(threading.get_ident())
+        if journal is not None:
+            journal.append(Move(block_id, src_tier, dst_tier))
 
     # ---- plans -----------------------------------------------------------------------------
     def apply(self, plan: Plan, batch_cold_moves: bool = True) -> list[int]:
@@ -66,6 +80,7 @@ class PlanExecutor:
                 continue
             self.free_slot(move.src_tier, entry.slot)
             self.index.move(move.block_id, move.dst_tier, dst_slot)
+            self._record(move.block_id, move.src_tier, move.dst_tier)
         self.copy_engine.before_device_use()
         if self.tiers[COLD] is not None:
             self.tiers[COLD].flush()
@@ -121,6 +136,7 @@ class PlanExecutor:
             for move, src_slot, dst_slot in zip(chunk, src_slots, dst_slots):
                 self.free_slot(src_tier, src_slot)
                 self.index.move(move.block_id, dst_tier, dst_slot)
+                self._record(move.block_id, src_tier, dst_tier)
             self._count(src_tier, dst_tier, len(chunk) * self.block_bytes)
         return corrupt
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptBlockError
-from ..scheduler import COLD, TIER_NAMES
+from ..scheduler import COLD, TIER_NAMES, Move, Plan
 from .token_map import TierRun
 
 
@@ -78,3 +78,36 @@ class StepAccess:
         with self.lock:
             for tier, count in tier_counts.items():
                 self.hits[TIER_NAMES[tier]] += count
+
+    # ---- undoing a failed step's moves -------------------------------------------------------
+    def start_journal(self) -> None:
+        """Record the moves this thread's next operations apply (see `undo_moves`)."""
+        with self.lock:
+            self._executor.start_journal()
+
+    def stop_journal(self) -> list:
+        with self.lock:
+            return self._executor.stop_journal()
+
+    def undo_moves(self, moves: list) -> None:
+        """Put blocks back where they were before `moves` (newest first), as far as each block
+        is still where the move left it, unpinned, and its old tier has a free slot. Dropped
+        blocks cannot come back; everything else returns, so a rolled-back step leaves tier use
+        as it found it."""
+        with self.lock:
+            back = []
+            free = self.free_slots()
+            tier_now: dict[int, int] = {}  # as the moves back so far leave them
+            for move in reversed(moves):
+                block_id = move.block_id
+                if block_id not in self.index or self.is_pinned(block_id):
+                    continue
+                tier = tier_now.get(block_id, self.index.get(block_id).tier)
+                if tier != move.dst_tier or free[move.src_tier] == 0:
+                    continue
+                back.append(Move(block_id, move.dst_tier, move.src_tier))
+                tier_now[block_id] = move.src_tier
+                free[move.src_tier] -= 1
+                free[move.dst_tier] += 1
+            if back:
+                self._executor.apply(Plan(moves=back), batch_cold_moves=False)
