@@ -274,3 +274,17 @@ def test_allowed_policies():
 def test_unknown_policy_raises_naming_it(policy):
     with pytest.raises(ValueError, match=rf"scheduler\.policy {policy!r} is not known; allowed: \('lru',\)"):
         MemScheduler(policy)
+
+
+def test_promotion_leaves_a_block_that_another_running_step_pins():
+    # block 1 is shared with another chat whose forward pass is reading it in warm right now
+    index = make_index([(HOT, 1), (WARM, 2), (WARM, 3)])
+    plan = MemScheduler().plan_promotion([1, 2], index, [0, 1, 4], [1, 3, 4], is_pinned=lambda b: b == 1)
+    assert plan.moves == [Move(0, HOT, WARM), Move(2, WARM, HOT)]
+
+
+def test_pinned_blocks_are_never_victims_or_drops():
+    index = make_index([(HOT, 1, 0), (HOT, 2, 0)])  # both unreferenced, the LRU one pinned
+    plan = MemScheduler().plan_new_blocks(1, index, [0, 0, 0], [2, 0, 0], is_pinned=lambda b: b == 0)
+    assert plan.moves == [Move(1, HOT, DROPPED)]
+    assert MemScheduler().plan_new_blocks(2, index, [0, 0, 0], [2, 0, 0], is_pinned=lambda b: b == 0) is None

@@ -490,3 +490,66 @@ def test_link_saturation_stays_in_unit_range_after_moves(make_store):
     assert isinstance(saturation, float)
     assert 0.0 <= saturation <= 1.0
     assert store.stats()["bytes_moved"]["hot->warm"] == 4 * BLOCK_BYTES
+
+
+# --- pins, quarantine, undo ----------------------------------------------------------------------
+
+def test_a_corrupt_block_a_running_step_pins_keeps_its_slot_until_the_step_ends(make_store):
+    """Another thread finds the block corrupt while this step has it mapped: its slot must not be
+    handed to a new block under the step's feet; the step reads the bad bytes and fails their check."""
+    store = make_store(1, 1, 2)
+    allocate_one_by_one(store, 3)
+    write_block(store, 0, block_data(1))
+    cold_slot = store.index.get(0).slot
+    runs = store.map_tokens([0], [1])
+    store.begin_step(owner=7, block_ids={0})
+    flip_cold_byte(store, 0)
+    assert store.verify([0]) == [0]  # e.g. another chat's attach checked the shared block
+    assert store.index.get(0).is_corrupt
+    assert store.pools[COLD].is_used(cold_slot)  # quarantined, not free
+    new_block = store.allocate(1)[0]
+    assert store.index.get(new_block).slot != cold_slot or store.index.get(new_block).tier != COLD
+    with pytest.raises(CorruptBlockError, match=r"slot 0 layer 0"):
+        store.read_layer(0, runs, 1)
+    store.end_step(owner=7)
+    assert not store.pools[COLD].is_used(cold_slot)
+
+
+def test_read_failure_marks_the_block_corrupt(make_store):
+    store = make_store(1, 1, 1)
+    allocate_one_by_one(store, 3)
+    write_block(store, 0, block_data(3))
+    store.publish(0, b"k0")
+    flip_cold_byte(store, 0)
+    runs = store.map_tokens([0], [1])
+    with pytest.raises(CorruptBlockError) as caught:
+        store.read_layer(0, runs, 1)
+    assert caught.value.block_id == 0
+    assert store.index.get(0).is_corrupt and store.index.lookup(b"k0") is None
+
+
+def test_undo_moves_puts_blocks_back_where_they_were(make_store):
+    store = make_store(1, 1, 2)
+    data = block_data(5)
+    (b0,) = store.allocate(1)
+    write_block(store, b0, data)
+    store.start_journal()
+    (b1,) = store.allocate(1)  # pushes b0 down to warm
+    moves = store.stop_journal()
+    assert tiers_of(store, [b0, b1]) == [WARM, HOT]
+    assert [str(m) for m in moves] == ["block 0: hot -> warm"]
+    store.release([b1])
+    store.undo_moves(moves)
+    assert tiers_of(store, [b0]) == [HOT]
+    assert torch.equal(read_block(store, b0), data)
+    check_pools_match_index(store)
+
+
+def test_a_store_is_shared_by_copies_and_never_pickled(make_store):
+    import copy
+    import pickle
+
+    store = make_store(1, 1, 1)
+    assert copy.deepcopy(store) is store
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(store)

@@ -317,17 +317,21 @@ def test_cold_rewriting_a_corrupt_block_heals_it(make_tier):
     assert torch.equal(tier.read_blocks([1]), fresh)
 
 
-def test_cold_never_written_and_forgotten_slots_read_as_zeros(make_tier):
+def test_cold_never_written_and_forgotten_slots_move_as_zeros_but_are_never_served(make_tier):
     tier = make_tier("cold")
     tier.write_blocks([0, 1], random_blocks(2))
     tier.forget([1])
+    # a whole-block move of a slot taken but not yet written (a block allocated this step) moves zeros
     out = tier.read_blocks([1, 5])
     assert torch.equal(out, torch.zeros_like(out))
-    tokens = tier.read_tokens(0, tier.token_index([5, 1], [0, 3]))
-    assert torch.equal(tokens, torch.zeros(2, 2, 2, 4))
-    # a forgotten slot is not checked: damage to its old bytes goes unnoticed
+    # a forgotten slot is not checked: damage to its old bytes goes unnoticed by moves
     flip_byte(tier.file_path, 1 * 4096)
     assert torch.equal(tier.read_blocks([1]), torch.zeros(1, 2, 2, 2, 4, 4))
+    # but tokens are served only from written slices: a slice without data is a corrupt block
+    with pytest.raises(CorruptBlockError, match=r"slot 5 layer 0 holds no written data") as caught:
+        tier.read_tokens(0, tier.token_index([5, 1], [0, 3]))
+    assert caught.value.slot == 5
+    assert tier.read_tokens(0, tier.token_index([0], [2])).shape == (2, 2, 1, 4)
 
 
 def test_cold_write_tokens_on_a_fresh_slot_zero_fills_the_rest(make_tier):

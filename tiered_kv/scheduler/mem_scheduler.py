@@ -151,11 +151,14 @@ class MemScheduler:
     ) -> Plan:
         """Bring `block_ids` (one chat's blocks, most important first) as close to hot as space
         allows, moving only other blocks out of the way. Blocks that cannot reach hot leave cold
-        for warm when warm has room."""
+        for warm when warm has room. A block pinned by a running step (a prefix another chat
+        shares) stays where that step reads it."""
         sim = _Simulation(index, free_slots, capacities, _movable(frozenset(block_ids), is_pinned))
         for block_id in block_ids:
             tier = sim.tier(block_id)
             if tier == HOT or tier == NO_TIER:  # already hot, or corrupt (no data to move)
+                continue
+            if is_pinned is not None and is_pinned(block_id):  # another chat's running step reads it there
                 continue
             if capacities[HOT] > 0 and sim.make_room(HOT, 1):
                 sim.move(block_id, tier, HOT)

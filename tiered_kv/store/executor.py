@@ -29,7 +29,7 @@ log = logging.getLogger("tiered_kv")
 
 class PlanExecutor:
     def __init__(self, tiers: list, pools: list[SlotPool], index: BlockIndex, staging: torch.Tensor,
-                 copy_engine, link_monitor, block_bytes: int):
+                 copy_engine, link_monitor, block_bytes: int, is_pinned):
         self.tiers = tiers
         self.pools = pools
         self.index = index
@@ -37,6 +37,8 @@ class PlanExecutor:
         self.copy_engine = copy_engine
         self.link_monitor = link_monitor
         self.block_bytes = block_bytes
+        self.is_pinned = is_pinned
+        self.quarantined: list[tuple[int, int, int]] = []  # (block, tier, slot) of pinned corrupt blocks
         self.bytes_moved = {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
         self._journals: dict[int, list[Move]] = {}  # thread id -> moves applied while it records
 
@@ -169,14 +171,29 @@ class PlanExecutor:
             self.tiers[COLD].forget([slot])
 
     def mark_corrupt(self, block_id: int) -> None:
-        """A corrupt block keeps its id (banks still list it) but no key, no data and no slot."""
+        """A corrupt block keeps its id (banks still list it) but no key, no data and no slot.
+        While a running step pins it, its slot is quarantined instead of freed: that step mapped
+        the slot, and must find the bad bytes there (and fail their check), never another block's."""
         entry = self.index.get(block_id)
         if entry.is_corrupt:
             return
         log.warning("tiered_kv: block %d in %s slot %d failed its checksum; it will be recomputed",
                     block_id, TIER_NAMES[entry.tier], entry.slot)
-        self.free_slot(entry.tier, entry.slot)
+        if self.is_pinned(block_id):
+            self.quarantined.append((block_id, entry.tier, entry.slot))
+        else:
+            self.free_slot(entry.tier, entry.slot)
         self.index.mark_corrupt(block_id)
+
+    def free_quarantined(self) -> None:
+        """Give back the slots of corrupt blocks that no running step pins any more."""
+        keep = []
+        for block_id, tier, slot in self.quarantined:
+            if self.is_pinned(block_id):
+                keep.append((block_id, tier, slot))
+            else:
+                self.free_slot(tier, slot)
+        self.quarantined = keep
 
     def verify_cold(self, block_ids: list[int]) -> list[int]:
         """Check the cold blocks among `block_ids` against their checksums (the only tier whose

@@ -46,8 +46,23 @@ class StepAccess:
             return self.mapper.group_by_tier(tiers, slots, np.asarray(offsets, dtype=np.int64))
 
     def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:
+        """One layer's K/V of the mapped tokens. A slice that fails its check marks its block
+        corrupt (never served; banks holding it drop it and recompute) before the error goes up."""
         with self.lock:
-            return self.mapper.read_layer(layer, runs, num_tokens)
+            try:
+                return self.mapper.read_layer(layer, runs, num_tokens)
+            except CorruptBlockError as error:
+                block_id = self._block_at(getattr(error, "tier", None), getattr(error, "slot", None))
+                if block_id is not None:
+                    self._executor.mark_corrupt(block_id)
+                    error.block_id = block_id
+                raise
+
+    def _block_at(self, tier, slot) -> int | None:
+        """The block at (tier, slot): a scan, on the rare path of a failed read only."""
+        if tier is None or slot is None:
+            return None
+        return next((b for b, e in self.index.items() if e.tier == tier and e.slot == slot), None)
 
     def write_layer(self, layer: int, runs: list[TierRun], kv: torch.Tensor) -> None:
         with self.lock:
@@ -64,6 +79,7 @@ class StepAccess:
         with self.lock:
             if self._pinned_by_step.pop(owner, None) is None:
                 return
+            self._executor.free_quarantined()
             if read_host_tiers:
                 self.copy_engine.after_host_to_device()  # warm slots may be reused by the host next
             if not self._closed and self.tiers[COLD] is not None:

@@ -119,7 +119,7 @@ class TierStore(StepAccess):
         pools = [SlotPool(n, TIER_NAMES[t]) for t, n in enumerate(capacities)]
         self.tiers, self.pools = tiers, pools
         self._executor = PlanExecutor(tiers, pools, self.index, staging, self.copy_engine, self.link_monitor,
-                                      layout.block_bytes)
+                                      layout.block_bytes, self.is_pinned)
         self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.copy_engine)
         self.layout, self.dtype = layout, dtype
 

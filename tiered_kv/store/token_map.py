@@ -84,7 +84,11 @@ class TokenMapper:
     def _read_tokens(self, tier: int, layer: int, index) -> torch.Tensor:
         if tier != HOT:
             self.copy_engine.before_host_read()
-        return self.tiers[tier].read_tokens(layer, index)
+        try:
+            return self.tiers[tier].read_tokens(layer, index)
+        except CorruptBlockError as error:
+            error.tier = tier  # with error.slot: the store finds the block and marks it
+            raise
 
     def write_layer(self, layer: int, runs: list[TierRun], kv: torch.Tensor) -> None:
         """Store `kv` (`[2, H, t, D]`) for the mapped tokens of one layer, wherever they live."""

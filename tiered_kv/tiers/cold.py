@@ -136,6 +136,9 @@ class ColdTier:
         num_tokens, groups = index
         out = np.empty((2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim), dtype=self._np_dtype)
         for slot, items in groups.items():
+            if not self.valid[slot, layer]:  # served KV must have been written: never zeros
+                raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} holds no written data "
+                                          f"in {self.file_path}")
             self._read_layer_slice(slot, layer, self._layer_buffer)
             positions = [p for p, _ in items]
             offsets = [o for _, o in items]
@@ -156,6 +159,8 @@ class ColdTier:
         self._dirty = True
 
     def _read_layer_slice(self, slot: int, layer: int, out: np.ndarray) -> None:
+        """A slice as written, checked; zeros for a slice never written since the slot was taken
+        (a block allocated this step, read-modify-written or moved before all its layers are)."""
         if not self.valid[slot, layer]:
             out.fill(0)
             return
