@@ -83,7 +83,7 @@ def build_model(seed: int, max_tokens: int) -> LlamaForCausalLM:
 
 
 def make_bank(model, cfg: dict, store: tiered_kv.TierStore) -> tiered_kv.CacheBank:
-    return tiered_kv.CacheBank(model.config, cfg, store=store)  # TODO(rewrite): pass model
+    return tiered_kv.CacheBank(model, cfg, store=store)
 
 
 def fill(caches: list, num_tokens: int, model_config, chunk_tokens: int, seed: int) -> None:

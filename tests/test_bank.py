@@ -285,3 +285,37 @@ def test_moves_larger_than_the_staging_buffer_go_through_it_in_chunks(tmp_path, 
     follow = model.generate(follow_ids, cache=bank, max_new_tokens=5, do_sample=False)
     assert torch.equal(follow, model.generate(follow_ids, max_new_tokens=5, do_sample=False))
     bank.close()
+
+
+@pytest.mark.parametrize("damage", ("truncated", "deleted"))
+@pytest.mark.parametrize("kind", ("offloaded", "forces_cold"))
+def test_cold_file_truncated_or_deleted_mid_chat_recomputes_or_serves_intact(damage, kind, tmp_path):
+    """Someone truncates or deletes the cold block file between turns. A truncated record is a
+    corrupt block (recomputed, never served, never stuck); a deleted file still backs our open fd."""
+    model = tiny_model("llama")
+    config = tier_config("all_hot" if kind == "offloaded" else kind, tmp_path / "cold")
+    config["cold"]["capacity_blocks"] = 64
+    (tmp_path / "bystander.txt").write_text("not ours")
+    bank = tiered_kv.CacheBank(model, config)
+    ids = _ids(60, 30)
+    bank.attach(ids)
+    out = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
+    if kind == "offloaded":
+        bank.offload("cold")
+    assert bank.stats()["bank_blocks"]["cold"] > 0
+    cold_file = bank.store.tiers[2].file_path
+    outside = {p: p.stat() for p in tmp_path.iterdir() if p.is_file()}
+    if damage == "truncated":
+        os.truncate(cold_file, 0)
+    else:
+        os.unlink(cold_file)
+    for turn in range(2):
+        follow_ids = torch.cat([out, _ids(61 + turn, 3)], 1)
+        reused = bank.attach(follow_ids)
+        if damage == "truncated" and turn == 0:
+            assert reused < out.shape[1] - 1  # what was in cold is recomputed
+        follow = model.generate(follow_ids, cache=bank, max_new_tokens=5, do_sample=False)
+        assert torch.equal(follow, model.generate(follow_ids, max_new_tokens=5, do_sample=False)), f"turn {turn}"
+        out = follow
+    assert {p: p.stat() for p in tmp_path.iterdir() if p.is_file()} == outside  # nothing beside cold.path touched
+    bank.close()

@@ -11,7 +11,10 @@ The hooks hold no reference to any bank: the cache travels in each call's argume
 
 from __future__ import annotations
 
+import threading
+
 _INSTALLED_ATTR = "_tiered_kv_forward_watch"
+_INSTALL_LOCK = threading.Lock()
 
 
 def _cache_in(kwargs: dict):
@@ -39,12 +42,13 @@ def _after_forward(module, args, kwargs, result):
 
 
 def watch(model) -> None:
-    """Install the hooks on `model` (idempotent)."""
-    if getattr(model, _INSTALLED_ATTR, None) is not None:
-        return
-    pre = model.register_forward_pre_hook(_before_forward, with_kwargs=True)
-    post = model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)
-    object.__setattr__(model, _INSTALLED_ATTR, (pre, post))
+    """Install the hooks on `model` (idempotent, also when banks are built in several threads)."""
+    with _INSTALL_LOCK:
+        if getattr(model, _INSTALLED_ATTR, None) is not None:
+            return
+        pre = model.register_forward_pre_hook(_before_forward, with_kwargs=True)
+        post = model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)
+        object.__setattr__(model, _INSTALLED_ATTR, (pre, post))
 
 
 def unwatch(model) -> None:
