@@ -85,3 +85,19 @@ def reference(model, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     from transformers import DynamicCache
 
     return greedy(model, ids, DynamicCache(config=model.config), max_new_tokens)
+
+
+def flip_cold_byte(store, block_id: int, byte_offset: int) -> None:
+    """Corrupt one byte of a cold block's record on disk, as bit rot would (the one place tests
+    reach into where a block's record lies)."""
+    import os
+
+    cold = store.tiers[2]
+    with open(cold.file_path, "r+b") as f:
+        offset = store.index.get(block_id).slot * cold.record_stride_bytes + byte_offset
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())

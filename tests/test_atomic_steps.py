@@ -11,7 +11,6 @@ Also: a corrupt cold block in a prefix two banks share never leaves either bank 
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiered_kv
-from helpers import BLOCK_SIZE, TIER_KINDS, VOCAB, greedy, make_bank, rand_ids, reference, tier_config, tiny_model
+from helpers import BLOCK_SIZE, flip_cold_byte, TIER_KINDS, VOCAB, greedy, make_bank, rand_ids, reference, tier_config, tiny_model
 
 NUM_LAYERS = 6
 LAYERS = sorted(random.Random(2024).sample(range(NUM_LAYERS - 1), 3))  # several k, never the last layer
@@ -117,16 +116,8 @@ def _corrupt_a_shared_cold_block(first, second, layer: int) -> int:
     shared = [b for b in first.block_table(0) if b in second.block_table(0) and store.index.get(b).tier == 2]
     assert shared, "the config must have pushed the shared prefix to cold"
     victim = shared[0]
-    cold = store.tiers[2]
-    with open(cold.file_path, "r+b") as f:
-        offset = store.index.get(victim).slot * cold.record_stride_bytes + layer * store.layout.layer_bytes
-        offset += 3  # a float's sign and exponent: served, it would change the tokens
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-        f.flush()
-        os.fsync(f.fileno())
+    # byte 3 of a float: its sign and exponent, so served it would change the tokens
+    flip_cold_byte(store, victim, layer * store.layout.layer_bytes + 3)
     return first.block_table(0).index(victim)
 
 

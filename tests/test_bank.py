@@ -10,24 +10,11 @@ import torch
 from transformers import DynamicCache
 
 import tiered_kv
-from helpers import VOCAB, tier_config, tiny_model
+from helpers import VOCAB, flip_cold_byte, tier_config, tiny_model
 
 
 def _ids(seed: int, length: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _flip_cold_byte(store, block_id: int, byte_offset: int) -> None:
-    """Corrupt one byte of a cold block's record on disk, as bit rot would."""
-    cold = store.tiers[2]
-    with open(cold.file_path, "r+b") as f:
-        offset = store.index.get(block_id).slot * cold.record_stride_bytes + byte_offset
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def test_conversation_larger_than_all_tiers_fails_before_writing(tmp_path):
@@ -178,7 +165,7 @@ def test_corrupted_cold_block_is_recomputed_not_served(tmp_path):
     assert cold_blocks, "the config must have pushed history to cold"
     victim = cold_blocks[0]
     position = bank.block_table(0).index(victim)
-    _flip_cold_byte(store, victim, 5)
+    flip_cold_byte(store, victim, 5)
     follow_ids = torch.cat([out, _ids(16, 3)], 1)
     reused = bank.attach(follow_ids)
     assert reused == position * 4  # everything before the corrupt block, nothing after
@@ -255,7 +242,7 @@ def test_corrupt_block_inside_a_batched_promotion_is_dropped_and_the_rest_kept(t
     bank.attach(ids)
     out = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
     bank.offload("cold")
-    _flip_cold_byte(bank.store, bank.block_table(0)[5], 7)
+    flip_cold_byte(bank.store, bank.block_table(0)[5], 7)
     follow_ids = torch.cat([out, _ids(41, 3)], 1)
     assert bank.attach(follow_ids) == 5 * 4
     assert bank.stats()["bank_blocks"] == {"hot": 5, "warm": 0, "cold": 0}

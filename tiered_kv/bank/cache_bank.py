@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..blocks import layout_from_model_config
 from ..config import Config, load_config
-from ..errors import BankClosedError, CorruptBlockError, LayoutError
+from ..errors import BankClosedError, LayoutError
 from ..identity import ModelFingerprint
 from ..scheduler import TIER_NAMES
 from ..store import TierStore
@@ -116,18 +116,11 @@ class CacheBank(Stepping, ChatOps, Cache):
                                "(the step was rolled back); call the model again")
         step, store = self._step, self.store
         kv_new = torch.stack((key_states, value_states))  # [2, B, H, t, D]
-        try:
-            with store.lock:
-                rows = []
-                for r in range(kv_new.shape[1]):
-                    store.write_layer(layer_idx, step.write_runs[r], kv_new[:, r])
-                    rows.append(store.read_layer(layer_idx, step.read_runs[r], step.num_tokens))
-        except CorruptBlockError as error:
-            self._rollback_step()
-            raise self._corrupt_error(error) from error
-        except BaseException:
-            self._rollback_step()
-            raise
+        with self._rolled_back_on_error(), store.lock:
+            rows = []
+            for r in range(kv_new.shape[1]):
+                store.write_layer(layer_idx, step.write_runs[r], kv_new[:, r])
+                rows.append(store.read_layer(layer_idx, step.read_runs[r], step.num_tokens))
         kv = rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, dim=1)
         if layer_idx == self.num_layers - 1:
             self._commit_step()

@@ -8,6 +8,8 @@ lazily at the bank's next use). Tokens are published here, a few new blocks per 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..blocks import KVLayout, num_blocks_for
@@ -76,14 +78,21 @@ class Stepping:
             if step.created_rows:
                 self._rows = [Row() for _ in range(num_rows)]
             self._step = step
-            try:
+            with self._rolled_back_on_error():
                 self._open_step(step, store, block_size)
-            except CorruptBlockError as error:
-                self._rollback_step()
-                raise self._corrupt_error(error) from error
-            except BaseException:
-                self._rollback_step()
-                raise
+
+    @contextlib.contextmanager
+    def _rolled_back_on_error(self):
+        """Whatever stops a step partway rolls it back; a corrupt block also truncates the bank
+        before it, so the next call recomputes it."""
+        try:
+            yield
+        except CorruptBlockError as error:
+            self._rollback_step()
+            raise self._corrupt_error(error) from error
+        except BaseException:
+            self._rollback_step()
+            raise
 
     def _open_step(self, step: Step, store: TierStore, block_size: int) -> None:
         store.start_journal()  # the moves made for this step, undone if it is rolled back
