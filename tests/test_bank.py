@@ -54,14 +54,17 @@ def test_model_config_without_kv_head_info_is_rejected():
         tiered_kv.CacheBank(config, {"cold": {"capacity_blocks": 0, "path": "/tmp"}})
 
 
-def test_model_on_other_device_than_hot_tier_is_rejected(tmp_path):
+def test_a_store_serves_one_kv_layout(tmp_path):
     model = tiny_model("llama")
-    bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))
-    k = torch.zeros(1, 2, 3, 16, dtype=torch.float64)
-    bank.update(k, k, 0)  # float64 binds the store to float64
+    bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))  # binds the store to float32 KV now
+    assert bank.store.is_bound and bank.store.dtype == torch.float32
     with pytest.raises(tiered_kv.LayoutError, match="serves KV layout"):
-        other = tiered_kv.CacheBank(model, store=bank.store)
-        other.update(k.float(), k.float(), 0)
+        tiered_kv.CacheBank(tiny_model("llama").double(), store=bank.store)
+    k = torch.zeros(1, 2, 3, 16, dtype=torch.float64)
+    with pytest.raises(tiered_kv.LayoutError, match="serves KV layout"):
+        bank.update(k, k, 0)
+    assert bank.get_seq_length() == 0
+    bank.close()
 
 
 @pytest.mark.parametrize("kind", ("all_hot", "forces_warm", "forces_cold"))
@@ -306,3 +309,36 @@ def test_cold_file_truncated_or_deleted_mid_chat_recomputes_or_serves_intact(dam
         out = follow
     assert {p: p.stat() for p in tmp_path.iterdir() if p.is_file()} == outside  # nothing beside cold.path touched
     bank.close()
+
+
+def test_blocks_stay_pinned_until_the_last_layers_attention_is_done(tmp_path):
+    """The last layer's K/V may be views of hot blocks that its attention reads after update()
+    returned: a hooked bank keeps its blocks pinned until the model's forward ends, and a
+    config-only bank (no hook to tell it) hands the last layer a copy instead of a view."""
+    model = tiny_model("llama")
+    store = tiered_kv.TierStore(tier_config("all_hot", tmp_path))
+    hooked, unhooked = tiered_kv.CacheBank(model, store=store), tiered_kv.CacheBank(model.config, store=store)
+    seen = {}
+
+    def after_last_layer(module, args, output):
+        seen["pinned"] = [store.is_pinned(b) for b in seen["bank"].block_table(0)]
+
+    handle = model.model.layers[-1].register_forward_hook(after_last_layer)
+    try:
+        seen["bank"] = hooked
+        model(_ids(70, 9), cache=hooked)
+        assert seen["pinned"] and all(seen["pinned"])
+        seen["bank"] = unhooked
+        model(_ids(71, 9), cache=unhooked)
+        assert not any(seen["pinned"])
+    finally:
+        handle.remove()
+    assert not any(store.is_pinned(b) for b in hooked.block_table(0))  # the forward's end unpinned
+    k = torch.randn(1, 2, 1, 16)
+    for layer in range(model.config.num_hidden_layers):
+        keys, _ = unhooked.update(k, k, layer)
+    slab = store.tiers[0].slab
+    assert keys.untyped_storage().data_ptr() != slab.untyped_storage().data_ptr()  # the last layer: a copy
+    hooked.close()
+    unhooked.close()
+    store.close()

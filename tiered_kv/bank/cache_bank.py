@@ -99,7 +99,10 @@ class CacheBank(Stepping, ChatOps, Cache):
         self._block_set: set[int] = set()  # every block any row references (pinned during a step)
         self._placement_cache = PlacementCache()
         self._touched_order_version = -1
+        self._forward_pins = None  # reads_host_tiers of a committed step still pinned until its forward ends
         self._closed = False
+        if is_model:  # bind now, so attach() finds stored blocks before the first forward pass
+            self._bind_store(getattr(model, "dtype", None) or next(model.parameters()).dtype)
 
     @property
     def verifies_token_ids(self) -> bool:
@@ -123,6 +126,10 @@ class CacheBank(Stepping, ChatOps, Cache):
                 rows.append(store.read_layer(layer_idx, step.read_runs[r], step.num_tokens))
         kv = rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, dim=1)
         if layer_idx == self.num_layers - 1:
+            if not step.hooked:
+                # nothing will tell us when this layer's attention is done reading: no views of
+                # blocks that other threads may move once the step is committed and unpinned
+                kv = kv.clone()
             self._commit_step()
         return kv[0], kv[1]
 
@@ -213,6 +220,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         other._step_owner = next(_STEP_OWNER_IDS)
         other._placement_cache = PlacementCache()
         other._touched_order_version = -1
+        other._forward_pins = None
         other._structure_changed()
         self.store.retain([b for row in other._rows for b in row.table])
         if other._owns_store:

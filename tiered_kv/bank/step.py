@@ -36,6 +36,7 @@ class Step:
     num_tokens: int  # the bank's length once committed
     created_rows: bool  # the bank had no rows before this step
     inputs: list[RowInputs]
+    hooked: bool = False  # the forward hooks saw this pass: they will report its end
     thread_id: int = field(default_factory=threading.get_ident)
     tail_copies: dict[int, tuple[int, int]] = field(default_factory=dict)  # row -> (old tail, its copy)
     new_blocks: list[list[int]] = field(default_factory=list)  # per row

@@ -52,6 +52,15 @@ class Stepping:
         self._pending_inputs = None
         if failed and self._step is not None:
             self._rollback_step()
+        self._release_forward_pins()
+
+    def _release_forward_pins(self) -> None:
+        """Unpin a committed step's blocks once its forward pass is over. The last layer's K/V
+        may be views of hot blocks that its attention reads after update() returned, so a step
+        seen by the forward hooks keeps its pins until the model's forward ends."""
+        if self._forward_pins is not None:
+            reads_host_tiers, self._forward_pins = self._forward_pins, None
+            self.store.end_step(self._step_owner, reads_host_tiers)
 
     def _take_inputs(self, num_rows: int, num_new: int) -> list[RowInputs]:
         pending, self._pending_inputs = self._pending_inputs, None
@@ -74,7 +83,8 @@ class Stepping:
         store, block_size = self.store, self.config.block_size
         with store.lock:
             store.drain_deferred()
-            step = Step(num_new, num_tokens, created_rows=not self._rows, inputs=inputs)
+            step = Step(num_new, num_tokens, created_rows=not self._rows, inputs=inputs,
+                        hooked=inputs[0].token_ids is not None)
             if step.created_rows:
                 self._rows = [Row() for _ in range(num_rows)]
             self._step = step
@@ -149,7 +159,10 @@ class Stepping:
             self._seq_len = step.num_tokens
             self._placement_cache.remember(step.placement_version, [row.table for row in self._rows], step.placements)
             self._step = None
-            store.end_step(self._step_owner, step.reads_host_tiers)
+            if step.hooked:
+                self._forward_pins = step.reads_host_tiers  # unpinned by _note_forward_end
+            else:
+                store.end_step(self._step_owner, step.reads_host_tiers)
             if replaced:
                 store.release(replaced)
                 self._block_set = {b for row in self._rows for b in row.table}
@@ -180,8 +193,11 @@ class Stepping:
                 store.undo_moves(step.moves)
 
     def _abandon_step(self) -> None:
+        """Before any new step or public operation: roll back a step that never finished, and
+        drop the pins of a forward whose end the hooks did not see (e.g. KeyboardInterrupt)."""
         if self._step is not None:
             self._rollback_step()
+        self._release_forward_pins()
 
     def _corrupt_error(self, error: CorruptBlockError) -> CorruptBlockError:
         first_bad = self._drop_from_first_corrupt()
@@ -203,18 +219,22 @@ class Stepping:
                 "Raise a tier's capacity or shorten the conversation")
 
     def _bind(self, key_states: torch.Tensor) -> None:
-        dtype_name = _DTYPE_NAMES.get(key_states.dtype)
-        if dtype_name is None:
-            raise LayoutError(f"key_states dtype {key_states.dtype} is not supported; allowed: {list(_DTYPE_NAMES)}")
-        base = self._layout_no_dtype
-        layout = KVLayout(base.num_layers, base.num_kv_heads, base.head_dim, base.block_size, dtype_name)
         _, num_heads, _, head_dim = key_states.shape
-        if (num_heads, head_dim) != (layout.num_kv_heads, layout.head_dim):
+        base = self._layout_no_dtype
+        if (num_heads, head_dim) != (base.num_kv_heads, base.head_dim):
             raise LayoutError(
                 f"key_states have {num_heads} heads x {head_dim} dims but the model config says "
-                f"num_key_value_heads={layout.num_kv_heads}, head_dim={layout.head_dim}")
-        self.store.bind(layout, key_states.dtype)
+                f"num_key_value_heads={base.num_kv_heads}, head_dim={base.head_dim}")
+        self._bind_store(key_states.dtype)
         if key_states.device != self.store.device:
             raise LayoutError(
                 f"the model runs on {key_states.device} but the hot tier is on {self.store.device}; "
                 f"set hot.device to '{key_states.device}' or move the model")
+
+    def _bind_store(self, dtype: torch.dtype) -> None:
+        """Bind the store to this model's KV layout in `dtype` (a no-op once bound to the same)."""
+        dtype_name = _DTYPE_NAMES.get(dtype)
+        if dtype_name is None:
+            raise LayoutError(f"KV dtype {dtype} is not supported; allowed: {list(_DTYPE_NAMES)}")
+        base = self._layout_no_dtype
+        self.store.bind(KVLayout(base.num_layers, base.num_kv_heads, base.head_dim, base.block_size, dtype_name), dtype)
