@@ -133,6 +133,8 @@ def unpack_header(layout: KVLayout, slot: int, page: np.ndarray) -> RecordHeader
         raise FormatError(f"{num_layers} layers, expected {layout.num_layers}")
     if _U64.unpack_from(raw, end)[0] != checksum(raw[:end]):
         raise FormatError("header checksum mismatch")
+    if raw[end + _U64.size:].strip(b"\0"):
+        raise FormatError("nonzero bytes after the header checksum")
     found = (size, num_kv_heads, head_dim, block_size, dtype.rstrip(b"\0").decode("ascii", "replace"), length)
     expected = (header_bytes(layout), layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype_name,
                 layout.block_bytes)
