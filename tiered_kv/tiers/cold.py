@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
 import threading
 
 import numpy as np
@@ -34,14 +33,15 @@ from ..errors import ConfigError, CorruptBlockError
 from ..hw.block_io import ColdWriteError, KvikioBlockIO, PosixBlockIO, kvikio_usable
 from . import cold_format as fmt
 from .cold_files import ColdDirectory
-from .cold_format import ALIGN_BYTES, FormatError, checksum, layout_signature  # noqa: F401  (re-exported)
-from .cold_index import ColdIndex, DurableWriter, _Op
+from .cold_format import ALIGN_BYTES, checksum, layout_signature  # noqa: F401  (re-exported for tests and tools)
+from .cold_durable import DurableRecords, DurableWriter, _Op
+from .cold_index import ColdIndex
 
 log = logging.getLogger(__name__)
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": np.uint16}
 
 
-class ColdTier:
+class ColdTier(DurableRecords):
     """`num_slots` block records in `directory` (opened and locked by the store at start; the
     tier never closes it). A failed start leaves the directory as it found it: a file made now is
     removed, a reused one is cut back to its old size. Records persisted by an earlier tier on the
@@ -103,103 +103,6 @@ class ColdTier:
 
     def _header_at(self, slot: int) -> int:
         return slot * self.record_stride_bytes + self._header_offset
-
-    # ---- durable records -------------------------------------------------------------------
-    def durable_records(self) -> list[tuple[int, bytes, bytes]]:
-        """(slot, key, root) of the records found durable at open, least recently used first. Their
-        slots hold valid, checksummed data; the store imports them as cached blocks and owns them."""
-        return list(self._records)
-
-    def _load_durable_records(self) -> list[tuple[int, bytes, bytes]]:
-        """Rows of the index whose record header still matches them; the others are dropped (with a
-        warning) from the index, so they are never served nor reported again."""
-        if not self.index.exists():
-            return []
-        try:
-            self.index.open()
-            rows = self.index.rows()
-        except (FormatError, OSError, sqlite3.DatabaseError) as exc:
-            log.warning("cold index %s cannot be used (%s): this tier starts empty and persists nothing",
-                        self.index.path, exc)
-            self.index.close()
-            self._index_usable = False
-            return []
-        size_bytes = os.fstat(self._fd).st_size
-        kept, dropped = [], []
-        header = np.empty(fmt.header_bytes(self.layout), dtype=np.uint8)
-        for row in rows:
-            problem = None
-            if not 0 <= row.slot < self.num_slots:
-                problem = f"beyond this tier's {self.num_slots} slots"
-            elif size_bytes < (row.slot + 1) * self.record_stride_bytes:
-                problem = f"the file ends at {size_bytes} bytes"
-            elif len(row.checksums) != self.layout.num_layers:
-                problem = f"{len(row.checksums)} checksums for {self.layout.num_layers} layers"
-            else:
-                try:
-                    self.io.read_into(header, self._header_at(row.slot))
-                    found = fmt.unpack_header(self.layout, row.slot, header)
-                    if (found.key, found.root, found.checksums) != (row.key, row.root, tuple(row.checksums.tolist())):
-                        problem = "its header names another record"
-                except (FormatError, OSError) as exc:
-                    problem = f"bad header: {exc}"
-            if problem:
-                log.warning("cold tier %s: dropping the index row of slot %d (%s)", self.file_path, row.slot, problem)
-                dropped.append(row.slot)
-                continue
-            self.checksums[row.slot] = row.checksums
-            self.valid[row.slot] = True
-            self._durable[row.slot] = True
-            kept.append((row.slot, row.key, row.root))
-        if dropped:
-            self.index.apply([], dropped, [])
-        return kept
-
-    def persist(self, slot: int, key: bytes, root: bytes) -> None:
-        """Make the record at `slot` (every layer written) durable under `key` and `root` (16 bytes
-        each; root is the model fingerprint). Returns at once; a background thread writes the header,
-        fdatasyncs and commits the index row, batching what is queued. `flush()` waits for it."""
-        slot = int(slot)
-        if not self.valid[slot].all():
-            raise ValueError(f"cold tier slot {slot}: cannot persist a record whose layers "
-                             f"{np.flatnonzero(~self.valid[slot]).tolist()} were never written")
-        fmt.pack_header(self.layout, slot, key, root, self.checksums[slot])  # validates key and root now
-        if not self._index_usable:
-            return
-        with self._state_lock:
-            self._generation[slot] += 1
-            self._durable[slot] = True
-            op = _Op("put", slot, int(self._generation[slot]), bytes(key), bytes(root), self.checksums[slot].copy())
-        self._writer.enqueue([op])
-
-    def _withdraw(self, slots, zero_header: bool) -> None:
-        """The slots stop being durable records: bump their generation (a queued persist of theirs is
-        dropped), queue the deletion of their rows, and zero their headers when asked."""
-        with self._state_lock:
-            slots = [int(s) for s in slots if self._durable[s]]
-            if not slots:
-                return
-            self._durable[slots] = False
-            self._generation[slots] += 1
-        self._writer.enqueue([_Op("delete", slot) for slot in slots])
-        if zero_header:
-            for slot in slots:
-                self.io.write_from(self._zero_header, self._header_at(slot))
-
-    def _write_header_if_current(self, op: _Op) -> bool:
-        """Writer thread: write `op`'s header unless the slot changed since it was queued."""
-        header = fmt.pack_header(self.layout, op.slot, op.key, op.root, op.checksums)
-        with self._state_lock:
-            if self._generation[op.slot] != op.generation:
-                return False
-            self.io.write_from(header, self._header_at(op.slot))
-            return True
-
-    def _sync_data(self) -> None:
-        self.io.sync()
-
-    def _persist_failed(self, slots: list[int], error: BaseException) -> None:
-        log.warning("cold tier %s: slots %s did not become durable (%s)", self.file_path, slots, error)
 
     # ---- whole blocks ----------------------------------------------------------------------
     def read_blocks(self, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The cold tier's durable index and the background writer that fills it (DESIGN invariant 6).
+"""The cold tier's durable index (DESIGN invariant 6); cold_durable.py fills it.
 
 ColdIndex: one sqlite3 database in WAL mode, `kv-v1-<layout>.index` next to the block file, table
 `records(slot PRIMARY KEY, key, root, checksums, last_access)`. It is created at the first persist
@@ -7,12 +7,6 @@ made 0600 with O_NOFOLLOW | O_EXCL or, when it exists, accepted only as a regula
 then opens it by path, and we check the path still names the inode we checked. sqlite's -wal and -shm
 files take the database's mode; the directory is private to us (cold_files.py), so nobody else can
 plant a name there between our check and sqlite's open.
-
-DurableWriter: a thread that makes queued records durable in batches, off the caller's thread. For
-one batch, in queue order: the last operation per slot wins (persist, then forget = no row); header
-of each record still current (the tier's check), then one fdatasync of the block file, then one
-sqlite transaction (inserts, deletes, last-access updates). A row is therefore committed only after
-its data and header are on disk: after a crash at any point, rows name records that were durable.
 """
 
 from __future__ import annotations
@@ -20,9 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -131,118 +123,27 @@ class ColdIndex:
             self._file = None
 
 
-@dataclass
-class _Op:
-    kind: str  # "put" | "delete" | "touch"
-    slot: int
-    generation: int = 0
-    key: bytes = b""
-    root: bytes = b""
-    checksums: np.ndarray | None = None
-    at: float = field(default_factory=time.time)
-
-
-class DurableWriter:
-    """Batches persist / forget / touch operations of one cold tier on a thread of its own.
-
-    `tier` provides `_write_header_if_current(op) -> bool` (writes the header unless the slot changed
-    since the persist was queued), `_sync_data()`, `_persist_failed(slots, error)`, `fsync` and `index`."""
-
-    def __init__(self, tier):
-        self._tier = tier
-        self._ops: list[_Op] = []
-        self._condition = threading.Condition()
-        self._queued = 0
-        self._done = 0
-        self._errors: list[BaseException] = []
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-
-    def enqueue(self, ops: list[_Op]) -> None:
-        with self._condition:
-            if self._stopping:
-                raise ValueError(f"cold tier on {self._tier.file_path} is closed")
-            self._ops.extend(ops)
-            self._queued += len(ops)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tiered_kv-cold-writer", daemon=True)
-                self._thread.start()
-            self._condition.notify_all()
-
-    def wait(self) -> list[BaseException]:
-        """Block until everything queued so far is applied; the errors met since the last wait."""
-        with self._condition:
-            target = self._queued
-            while self._done < target and self._thread is not None and self._thread.is_alive():
-                self._condition.wait()
-            errors, self._errors = self._errors, []
-            return errors
-
-    def stop(self) -> list[BaseException]:
-        errors = self.wait()
-        with self._condition:
-            self._stopping = True
-            self._condition.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
-        return errors
-
-    def _run(self) -> None:
-        while True:
-            with self._condition:
-                while not self._ops and not self._stopping:
-                    self._condition.wait()
-                if not self._ops:
-                    return
-                batch, self._ops = self._ops, []
+def verified_rows(index: ColdIndex, read_header, num_slots: int, what: str) -> list[IndexRow]:
+    """The index rows (least recently used first) whose slot exists and whose record header
+    (`read_header(slot)`, raising FormatError or OSError) names the same key, root and checksums.
+    Rows that fail are deleted from the index, each with a warning naming the slot and why."""
+    kept, dropped = [], []
+    for row in index.rows():
+        problem = None
+        if not 0 <= row.slot < num_slots:
+            problem = f"beyond this tier's {num_slots} slots"
+        else:
             try:
-                self._apply(batch)
-            except BaseException as exc:  # never lose the thread: report at the next flush
-                log.warning("cold tier %s: a batch of %d index operations failed: %s",
-                            self._tier.file_path, len(batch), exc)
-                self._note(exc)
-            with self._condition:
-                self._done += len(batch)
-                self._condition.notify_all()
-
-    def _note(self, error: BaseException) -> None:
-        with self._condition:
-            self._errors.append(error)
-
-    def _apply(self, batch: list[_Op]) -> None:
-        tier = self._tier
-        final: dict[int, _Op] = {}
-        touches: dict[int, float] = {}
-        for op in batch:
-            if op.kind == "touch":
-                touches[op.slot] = op.at
-            else:
-                final[op.slot] = op
-        puts = [op for op in final.values() if op.kind == "put"]
-        deletes = [op.slot for op in final.values() if op.kind == "delete"]
-        if puts and not tier.index.is_open:
-            tier.index.open()
-        if not tier.index.is_open:
-            return  # nothing was ever persisted: no row to delete or touch
-        written = []
-        for op in puts:
-            try:
-                if tier._write_header_if_current(op):
-                    written.append(op)
-            except OSError as exc:
-                tier._persist_failed([op.slot], exc)
-                self._note(exc)
-        if written and tier.fsync:
-            try:
-                tier._sync_data()
-            except OSError as exc:
-                tier._persist_failed([op.slot for op in written], exc)
-                self._note(exc)
-                written = []
-        rows = [(op.slot, op.key, op.root, op.checksums, op.at) for op in written]
-        try:
-            tier.index.apply(rows, deletes, [(s, t) for s, t in touches.items() if s not in final])
-        except (sqlite3.Error, OSError) as exc:
-            tier._persist_failed([op.slot for op in written], exc)
-            raise
+                found = read_header(row.slot)
+                if (found.key, found.root, found.checksums) != (row.key, row.root, tuple(row.checksums.tolist())):
+                    problem = "its header names another record"
+            except (FormatError, OSError) as exc:
+                problem = f"bad header: {exc}"
+        if problem:
+            log.warning("cold tier %s: dropping the index row of slot %d (%s)", what, row.slot, problem)
+            dropped.append(row.slot)
+        else:
+            kept.append(row)
+    if dropped:
+        index.apply([], dropped, [])
+    return kept
