@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_kv import CorruptBlockError
+from tiered_kv import ConfigError, CorruptBlockError
 from tiered_kv.blocks import KVLayout
 from tiered_kv.hw import block_io
 from tiered_kv.hw.block_io import ColdWriteError
@@ -152,6 +152,42 @@ def test_an_unusable_index_starts_empty_and_is_not_deleted(cold):
     tier.persist(1, key_of(12), ROOT)  # durability is off for this tier: a no-op, never an error
     tier.flush()
     assert open(path, "rb").read(14) == b"not a database"
+
+
+def test_a_symlink_at_the_index_name_is_refused_and_left_alone(cold, tmp_path):
+    tier = cold.open()
+    name = os.path.basename(tier.index.path)
+    cold.close()
+    target = tmp_path / "elsewhere.db"
+    target.write_bytes(b"someone else's")
+    os.symlink(target, tmp_path / "cold" / name)
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        cold.open()
+    assert target.read_bytes() == b"someone else's" and os.path.islink(tmp_path / "cold" / name)
+
+
+# --- off the caller's thread, batched --------------------------------------------------------
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_persist_returns_at_once_and_a_batch_shares_one_fdatasync(cold, monkeypatch, fsync):
+    syncs = []
+    real_sync = block_io.os.fdatasync
+
+    def slow_sync(fd):
+        syncs.append(fd)
+        time.sleep(0.2)
+        real_sync(fd)
+
+    monkeypatch.setattr(block_io.os, "fdatasync", slow_sync)
+    tier = cold.open(num_slots=40, fsync=fsync)
+    started = time.perf_counter()
+    for slot in range(40):
+        write_and_persist(tier, slot, 300 + slot)
+    assert time.perf_counter() - started < 0.15  # no fdatasync on the caller's thread
+    tier.flush()
+    assert 1 <= len(syncs) <= 3 if fsync else syncs == []  # 40 records: one fdatasync per batch
+    monkeypatch.undo()
+    assert [r[0] for r in cold.open(num_slots=40).durable_records()] == list(range(40))
 
 
 # --- damage ----------------------------------------------------------------------------------
