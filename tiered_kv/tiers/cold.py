@@ -1,41 +1,51 @@
-"""Cold tier: block records in one preallocated file in the store's ColdDirectory (NVMe).
+"""Cold tier: block records in one preallocated file per layout in the store's ColdDirectory (NVMe),
+durable across processes.
 
-File `kv-<layout signature>.blocks`, opened through the directory (O_NOFOLLOW, 0600, ours
-alone; see cold_files.py), sized at start with posix_fallocate (a full disk fails then, not
-mid-chat). Slot s's record starts at s * record_stride_bytes (4 KiB aligned for O_DIRECT / GPUDirect Storage) and holds the block's
-`[L, 2, H, bs, D]` bytes; each layer slice has a CRC32 kept beside it, checked on every read.
-A slice that fails its check, and a record that cannot be read whole (the file was truncated,
-or the read failed), raise CorruptBlockError with `.slot` set: never served, recomputed instead.
-Writes are made durable with fdatasync at `flush()` (end of each store step).
+Format (versioned; cold_format.py): file `kv-v1-<layout>.blocks`, opened through the directory
+(O_NOFOLLOW, 0600, ours alone; cold_files.py), sized at start with posix_fallocate (a full disk fails
+then, not mid-chat). Slot s's record starts at s * record_stride_bytes (4 KiB aligned) and holds the
+block's `[L, 2, H, bs, D]` bytes, then a header (key, root, one XXH3-64 per layer slice).
+
+Reads check every layer slice against its checksum: a slice that fails, and a record that cannot be
+read whole (truncated file, failed read), raise CorruptBlockError with `.slot` set: never served,
+recomputed instead. A slice never written since its slot was taken is never served as tokens; whole
+block moves carry it as zeros (a block allocated this step).
+
+Durability (DESIGN invariant 6; cold_index.py): `persist(slot, key, root)` queues the record; a
+background thread writes its header, fdatasyncs, then commits its index row, batching whatever is
+queued. A new tier on the same directory loads the rows whose header still matches (`durable_records`).
+Any write to a durable slot, and `forget`, withdraw its row in queue order (and zero its header), so
+a reused slot is not named by a stale row; should a crash still leave one, the data checksums catch
+it on read. Writes that fail raise ColdWriteError (block_io.py) and leave the slice unwritten.
 """
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import os
-import zlib
+import threading
 
 import numpy as np
 import torch
 
 from ..blocks import KVLayout
 from ..errors import ConfigError, CorruptBlockError
-from ..hw.block_io import KvikioBlockIO, PosixBlockIO, kvikio_usable
+from ..hw.block_io import ColdWriteError, KvikioBlockIO, PosixBlockIO, kvikio_usable
+from . import cold_format as fmt
 from .cold_files import ColdDirectory
+from .cold_format import ALIGN_BYTES, checksum, layout_signature  # noqa: F401  (re-exported for tests and tools)
+from .cold_durable import DurableRecords, DurableWriter, _Op
+from .cold_index import ColdIndex
 
-ALIGN_BYTES = 4096
+log = logging.getLogger(__name__)
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": np.uint16}
 
 
-def layout_signature(layout: KVLayout) -> str:
-    text = f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}x{layout.block_size}x{layout.dtype_name}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-class ColdTier:
+class ColdTier(DurableRecords):
     """`num_slots` block records in `directory` (opened and locked by the store at start; the
     tier never closes it). A failed start leaves the directory as it found it: a file made now is
-    removed, a reused one is cut back to its old size."""
+    removed, a reused one is cut back to its old size. Records persisted by an earlier tier on the
+    same directory and layout are valid from the start: see `durable_records`."""
 
     name = "cold"
 
@@ -44,7 +54,8 @@ class ColdTier:
         self.layout = layout
         self.num_slots = num_slots
         self.fsync = fsync
-        self.record_stride_bytes = -(-layout.block_bytes // ALIGN_BYTES) * ALIGN_BYTES
+        self.record_stride_bytes = fmt.record_stride_bytes(layout)
+        self._header_offset = fmt.header_offset_bytes(layout)
         self._np_dtype = _NP_DTYPES[layout.dtype_name]
         self._torch_dtype = getattr(torch, layout.dtype_name)
         can_use_kvikio = kvikio_usable() if backend in ("auto", "kvikio") else False
@@ -55,20 +66,33 @@ class ColdTier:
             )
         self._dirty = False
         self._fd = None
-        self._file = directory.open_preallocated(f"kv-{layout_signature(layout)}.blocks",
-                                                 num_slots * self.record_stride_bytes)
+        self._file = directory.open_preallocated(fmt.block_file_name(layout), num_slots * self.record_stride_bytes)
         self.file_path = self._file.path
         self._fd = self._file.fd
+        # checksum of each layer slice of each slot, and whether that slice holds written data
+        self.checksums = np.zeros((num_slots, layout.num_layers), dtype=np.uint64)
+        self.valid = np.zeros((num_slots, layout.num_layers), dtype=bool)
+        # durable: the slot has (or a queued persist will give it) an index row; generation: bumped
+        # whenever that stops being true, so a queued persist of an older generation is dropped
+        self._durable = np.zeros(num_slots, dtype=bool)
+        self._generation = np.zeros(num_slots, dtype=np.int64)
+        self._state_lock = threading.Lock()
+        self._layer_buffer = np.empty((2, layout.num_kv_heads, layout.block_size, layout.head_dim), self._np_dtype)
+        self._zero_tail = np.zeros(self.record_stride_bytes - layout.block_bytes, dtype=np.uint8)
+        self._zero_header = self._zero_tail[-fmt.header_bytes(layout):]
+        layout_text = "x".join(str(v) for v in (layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                                                  layout.block_size, layout.dtype_name))
+        self.index = ColdIndex(directory, fmt.index_file_name(layout), layout_text, synchronous=fsync)
+        self._index_usable = True
         try:
             self.io = KvikioBlockIO(self._fd) if can_use_kvikio else PosixBlockIO(self._fd)
+            self._records = self._load_durable_records()
         except BaseException:
+            self.index.close()
             directory.discard(self._file)
             self._fd = None
             raise
-        # CRC32 of each layer slice of each slot, and whether that slice holds written data
-        self.crc32 = np.zeros((num_slots, layout.num_layers), dtype=np.uint32)
-        self.valid = np.zeros((num_slots, layout.num_layers), dtype=bool)
-        self._layer_buffer = np.empty((2, layout.num_kv_heads, layout.block_size, layout.head_dim), self._np_dtype)
+        self._writer = DurableWriter(self)
 
     @property
     def capacity_bytes(self) -> int:
@@ -76,6 +100,9 @@ class ColdTier:
 
     def _offset(self, slot: int, layer: int = 0) -> int:
         return slot * self.record_stride_bytes + layer * self.layout.layer_bytes
+
+    def _header_at(self, slot: int) -> int:
+        return slot * self.record_stride_bytes + self._header_offset
 
     # ---- whole blocks ----------------------------------------------------------------------
     def read_blocks(self, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,7 +112,6 @@ class ColdTier:
             out = self._to_torch(np.empty((len(slots), *self.layout.record_shape()), dtype=self._np_dtype))
         result = out
         out = self._to_numpy(out)  # a view: reads land in `result`
-        packed = self.record_stride_bytes == self.layout.block_bytes  # records back to back on disk
         i = 0
         while i < len(slots):
             slot = slots[i]
@@ -95,11 +121,10 @@ class ColdTier:
                 i += 1
                 continue
             run = 1  # one preadv for a run of consecutive, fully written slots
-            while (packed and i + run < len(slots) and slots[i + run] == slot + run
-                   and self.valid[slot + run].all()):
+            while i + run < len(slots) and slots[i + run] == slot + run and self.valid[slot + run].all():
                 run += 1
             try:
-                self.io.read_into(out[i:i + run], self._offset(slot))
+                self.io.read_strided_into(out[i:i + run], self._offset(slot), self.record_stride_bytes)
             except OSError:  # find the slot whose record is short or unreadable
                 for k in range(run):
                     self._read_bytes(slot + k, None, out[i + k])
@@ -107,21 +132,29 @@ class ColdTier:
                 for layer in range(self.layout.num_layers):
                     self._check(slot + k, layer, out[i + k, layer])
             i += run
+        touched = [int(s) for s in slots if self._durable[s]]
+        if touched:
+            self._writer.enqueue([_Op("touch", s) for s in touched])
         return result
 
     def write_blocks(self, slots: list[int], data: torch.Tensor) -> None:
+        """Whole records, their headers zeroed in the same pwritev (not durable until `persist`).
+        ColdWriteError when the disk refuses; that slot is then unwritten."""
         host = self._to_numpy(data)
+        self._withdraw(slots, zero_header=False)  # the writes below zero the headers
         for i, slot in enumerate(slots):
             record = host[i]
-            self.io.write_from(record, self._offset(slot))
+            self.valid[slot] = False
+            self.io.write_gather([record, self._zero_tail], self._offset(slot))
             for layer in range(self.layout.num_layers):
-                self.crc32[slot, layer] = zlib.crc32(record[layer])
+                self.checksums[slot, layer] = checksum(record[layer])
             self.valid[slot] = True
         self._dirty = True
 
     def forget(self, slots: list[int]) -> None:
-        """Slots were freed: their bytes are no longer a block."""
+        """Slots were freed: their bytes are no longer a block, and no durable row names them."""
         self.valid[slots] = False
+        self._withdraw(slots, zero_header=True)
 
     # ---- tokens of one layer ---------------------------------------------------------------
     def token_index(self, slots, offsets):
@@ -148,13 +181,15 @@ class ColdTier:
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
         _, groups = index
         host = self._to_numpy(kv)
+        self._withdraw(list(groups), zero_header=True)  # a changed record is no longer the durable one
         for slot, items in groups.items():
             self._read_layer_slice(slot, layer, self._layer_buffer)  # read-modify-write of one slice
             positions = [p for p, _ in items]
             offsets = [o for _, o in items]
             self._layer_buffer[:, :, offsets] = host[:, :, positions]
+            self.valid[slot, layer] = False
             self.io.write_from(self._layer_buffer, self._offset(slot, layer))
-            self.crc32[slot, layer] = zlib.crc32(self._layer_buffer)
+            self.checksums[slot, layer] = checksum(self._layer_buffer)
             self.valid[slot, layer] = True
         self._dirty = True
 
@@ -180,8 +215,9 @@ class ColdTier:
                                       f"({exc.strerror or exc})") from None
 
     def _check(self, slot: int, layer: int, data: np.ndarray) -> None:
-        if zlib.crc32(data) != self.crc32[slot, layer]:
-            raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} failed its CRC32 check in {self.file_path}")
+        if checksum(data) != self.checksums[slot, layer]:
+            raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} failed its checksum (XXH3-64) check "
+                                      f"in {self.file_path}")
 
     @staticmethod
     def _corrupt(slot: int, message: str) -> CorruptBlockError:
@@ -190,7 +226,7 @@ class ColdTier:
         return error
 
     def verify(self, slots: list[int]) -> list[int]:
-        """Read each slot back and check every layer's CRC32. Returns the slots that fail."""
+        """Read each slot back and check every layer's checksum. Returns the slots that fail."""
         bad = []
         for slot in slots:
             try:
@@ -214,16 +250,30 @@ class ColdTier:
 
     # ---- durability ------------------------------------------------------------------------
     def flush(self) -> None:
-        if self._dirty and self.fsync:
-            self.io.sync()
+        """Wait until every record persisted so far is durable (header, fdatasync unless `fsync` is
+        off, index row), or known not to be: ColdWriteError then, naming the first failure; those
+        records stay valid here, only not durable. Data that was never persisted is not synced:
+        without a row it is never read by another process, so syncing it would be pure latency."""
         self._dirty = False
+        if self._fd is None:
+            return
+        errors = self._writer.wait()
+        if errors:
+            first = errors[0]
+            raise ColdWriteError(getattr(first, "errno", None) or 0,
+                                 f"cold tier {self.file_path}: {len(errors)} persist batch(es) failed; "
+                                 f"first: {first}")
 
     def close(self) -> None:
+        """Flush (failures are logged), stop the writer thread, close the index and the file."""
         if self._fd is None:
             return
         try:
-            self.flush()
+            errors = self._writer.stop()
+            for error in errors:
+                log.warning("cold tier %s: closing with a failed persist: %s", self.file_path, error)
         finally:
+            self.index.close()
             if hasattr(self, "io") and hasattr(self.io, "close"):
                 self.io.close()
             os.close(self._fd)

@@ -1,0 +1,147 @@
+"""The cold tier's on-disk record format, version 1: where a record's bytes lie and what its header says.
+
+Files (inside the store's ColdDirectory, named by `layout_signature`, which starts with the format
+version, so a file of another version or layout is never opened, misread or deleted):
+  `kv-v1-<16 hex>.blocks`  the preallocated block file, one record per slot
+  `kv-v1-<16 hex>.index`   the durable index (sqlite3, WAL; see cold_index.py), made at the first persist
+
+Record of slot s, at s * record_stride_bytes (a multiple of 4096, so every record starts page aligned
+for O_DIRECT / GPUDirect Storage):
+  [0, block_bytes)                       the block `[L, 2, H, bs, D]`, C order, the layout's dtype
+  [block_bytes, stride - header_bytes)   zeros
+  [stride - header_bytes, stride)        the header (header_bytes = 512-byte multiple, 512 up to 48 layers)
+The header sits in the record's tail, not in a page before the data: the data of slot s keeps lying at
+s * stride (what tools and tests that flip cold bytes rely on) and a small block needs no extra page
+(512 B of KV -> a 4 KiB record, as before). One is added only when the block fills its pages.
+
+Header, little endian (`_PREFIX`, then L checksums, then one checksum of everything before it):
+  magic b"TKVCOLD\\0", format version u32, header_bytes u32, num_layers, num_kv_heads, head_dim,
+  block_size u32 each, dtype name 16 B (ASCII, NUL padded), slot u64, length in bytes u64 (= block_bytes),
+  block key 16 B, root key 16 B (the model fingerprint the key chains from), then per layer slice
+  checksum(record[layer]) u64, then checksum(header bytes so far) u64; the rest of the header is zeros.
+A header is present only while its record is durable: a whole-record write zeroes it (same pwritev,
+after the data), `persist` writes it.
+
+Checksum: xxhash's XXH3-64 (`checksum`). Measured on this machine (2 cores) over a 256 KiB numpy buffer,
+best of 5 x 2000 calls: zlib.crc32 4.1 GB/s, google-crc32c 8.6-10.7 GB/s, crc32c (hardware) 21.6 GB/s,
+xxhash.xxh3_64 52 GB/s. XXH3 is the fastest by 2.4x, and python-xxhash is well kept (4.x, wheels for
+every platform); it is not a CRC, but detects bit flips and torn writes as well for our purposes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from ..blocks import KVLayout
+
+FORMAT_VERSION = 1
+MAGIC = b"TKVCOLD\0"
+ALIGN_BYTES = 4096
+HEADER_ALIGN_BYTES = 512
+_PREFIX = struct.Struct("<8sIIIIII16sQQ16s16s")
+_U64 = struct.Struct("<Q")
+KEY_BYTES = 16
+
+
+class FormatError(ValueError):
+    """A header that is not a valid, matching version-1 header; the message says which field."""
+
+
+def checksum(data) -> int:
+    """XXH3-64 of a contiguous buffer (numpy array, bytes, memoryview): the one checksum of the format."""
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def layout_signature(layout: KVLayout) -> str:
+    """`v<format version>-<16 hex of the layout>`: names this layout's files in this format."""
+    text = f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}x{layout.block_size}x{layout.dtype_name}"
+    return f"v{FORMAT_VERSION}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def block_file_name(layout: KVLayout) -> str:
+    return f"kv-{layout_signature(layout)}.blocks"
+
+
+def index_file_name(layout: KVLayout) -> str:
+    return f"kv-{layout_signature(layout)}.index"
+
+
+def header_bytes(layout: KVLayout) -> int:
+    used = _PREFIX.size + (layout.num_layers + 1) * _U64.size
+    return -(-used // HEADER_ALIGN_BYTES) * HEADER_ALIGN_BYTES
+
+
+def record_stride_bytes(layout: KVLayout) -> int:
+    return -(-(layout.block_bytes + header_bytes(layout)) // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def header_offset_bytes(layout: KVLayout) -> int:
+    """Where the header starts inside a record."""
+    return record_stride_bytes(layout) - header_bytes(layout)
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    slot: int
+    key: bytes
+    root: bytes
+    checksums: tuple[int, ...]
+
+
+def _check_key(name: str, value: bytes) -> bytes:
+    if not isinstance(value, (bytes, bytearray)) or len(value) != KEY_BYTES:
+        raise ValueError(f"cold record {name} must be {KEY_BYTES} bytes, got {value!r}")
+    return bytes(value)
+
+
+def pack_header(layout: KVLayout, slot: int, key: bytes, root: bytes, checksums) -> np.ndarray:
+    """The header of slot `slot` as `header_bytes(layout)` uint8s, ready to write."""
+    checksums = [int(c) for c in checksums]
+    if len(checksums) != layout.num_layers:
+        raise ValueError(f"cold slot {slot}: {len(checksums)} checksums for {layout.num_layers} layers")
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, header_bytes(layout), layout.num_layers, layout.num_kv_heads,
+                          layout.head_dim, layout.block_size, layout.dtype_name.encode("ascii"), slot,
+                          layout.block_bytes, _check_key("key", key), _check_key("root", root))
+    body = prefix + b"".join(_U64.pack(c) for c in checksums)
+    body += _U64.pack(checksum(body))
+    page = np.zeros(header_bytes(layout), dtype=np.uint8)
+    page[:len(body)] = np.frombuffer(body, dtype=np.uint8)
+    return page
+
+
+def unpack_header(layout: KVLayout, slot: int, page: np.ndarray) -> RecordHeader:
+    """The header read from slot `slot`'s record; FormatError unless it is an intact version-1
+    header of this layout, this slot and this length."""
+    raw = np.ascontiguousarray(page).reshape(-1).view(np.uint8).tobytes()
+    if len(raw) != header_bytes(layout):
+        raise FormatError(f"header is {len(raw)} bytes, expected {header_bytes(layout)}")
+    fields = _PREFIX.unpack_from(raw)
+    magic, version, size, num_layers, num_kv_heads, head_dim, block_size, dtype, on_slot, length, key, root = fields
+    if magic != MAGIC:
+        raise FormatError("no record header (bad magic)")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"format version {version}, expected {FORMAT_VERSION}")
+    end = _PREFIX.size + num_layers * _U64.size if num_layers == layout.num_layers else 0
+    if not end or end + _U64.size > len(raw):
+        raise FormatError(f"{num_layers} layers, expected {layout.num_layers}")
+    if _U64.unpack_from(raw, end)[0] != checksum(raw[:end]):
+        raise FormatError("header checksum mismatch")
+    if raw[end + _U64.size:].strip(b"\0"):
+        raise FormatError("nonzero bytes after the header checksum")
+    found = (size, num_kv_heads, head_dim, block_size, dtype.rstrip(b"\0").decode("ascii", "replace"), length)
+    expected = (header_bytes(layout), layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype_name,
+                layout.block_bytes)
+    if found != expected:
+        raise FormatError(f"layout (header bytes, heads, head_dim, block_size, dtype, length) {found}, "
+                          f"expected {expected}")
+    if on_slot != slot:
+        raise FormatError(f"header names slot {on_slot}")
+    checksums = tuple(_U64.unpack_from(raw, _PREFIX.size + i * _U64.size)[0] for i in range(num_layers))
+    return RecordHeader(slot, key, root, checksums)
