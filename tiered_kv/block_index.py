@@ -28,6 +28,7 @@ class BlockEntry:
     slot: int
     ref_count: int = 1
     key: bytes | None = None  # published key (verified content), or None
+    root: bytes | None = None  # the model fingerprint the key chains from (written in durable records)
 
     @property
     def is_corrupt(self) -> bool:
@@ -134,7 +135,7 @@ class BlockIndex:
         return self._entries.items()
 
     # ---- content addressing ----------------------------------------------------------------
-    def publish(self, block_id: int, key: bytes) -> bool:
+    def publish(self, block_id: int, key: bytes, root: bytes | None = None) -> bool:
         """Name a full, verified block by its key so other banks can reuse it. Returns False (and
         changes nothing) when another block already holds the key: the first one stays shared."""
         entry = self._entry(block_id)
@@ -145,7 +146,7 @@ class BlockIndex:
             return False
         if entry.key is not None:
             self.unpublish(block_id)
-        entry.key = key
+        entry.key, entry.root = key, root
         self._by_key[key] = block_id
         return True
 

@@ -5,6 +5,10 @@ class ConfigError(ValueError):
     """A config key or value is invalid; the message names the key path, the value and what is allowed."""
 
 
+class ColdPathInUseError(ConfigError):
+    """Another running TierStore (this or another process) holds the cold directory's lock."""
+
+
 class CapacityError(RuntimeError):
     """A request needs more blocks than all tiers together can hold. Raised before anything is written."""
 

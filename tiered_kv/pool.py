@@ -38,6 +38,15 @@ class SlotPool:
             self._in_use[slot] = 1
         return slots
 
+    def take(self, slots: list[int]) -> None:
+        """Mark these particular slots used (a store starting from durable records)."""
+        taken = set(slots)
+        for slot in taken:
+            if not 0 <= slot < self.num_slots or self._in_use[slot]:
+                raise ValueError(f"{self.name}: slot {slot} cannot be taken (out of range or in use)")
+            self._in_use[slot] = 1
+        self._free_stack = [s for s in self._free_stack if s not in taken]
+
     def free(self, slots: list[int]) -> None:
         """Return slots to the pool (the last one given is the first handed out again)."""
         seen = set()

@@ -172,9 +172,10 @@ class Stepping:
         if not (self.verifies_token_ids and self.fingerprint.is_shareable):
             return
         block_size = self.config.block_size
-        row.extend_keys(self.fingerprint.root_key(self.store.layout.dtype_name), block_size)
+        root = self.fingerprint.root_key(self.store.layout.dtype_name)
+        row.extend_keys(root, block_size)
         for i in range(row.num_published_blocks, row.num_publishable_blocks(block_size)):
-            self.store.publish(row.table[i], row.keys[i])
+            self.store.publish(row.table[i], row.keys[i], root)
         row.num_published_blocks = max(row.num_published_blocks, row.num_publishable_blocks(block_size))
 
     def _rollback_step(self) -> None:

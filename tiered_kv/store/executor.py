@@ -83,6 +83,7 @@ class PlanExecutor:
             self.free_slot(move.src_tier, entry.slot)
             self.index.move(move.block_id, move.dst_tier, dst_slot)
             self._record(move.block_id, move.src_tier, move.dst_tier)
+            self.persist_if_published(move.block_id)
         self.copy_engine.before_device_use()
         if self.tiers[COLD] is not None:
             self.tiers[COLD].flush()
@@ -139,6 +140,7 @@ class PlanExecutor:
                 self.free_slot(src_tier, src_slot)
                 self.index.move(move.block_id, dst_tier, dst_slot)
                 self._record(move.block_id, src_tier, dst_tier)
+                self.persist_if_published(move.block_id)
             self._count(src_tier, dst_tier, len(chunk) * self.block_bytes)
         return corrupt
 
@@ -159,6 +161,16 @@ class PlanExecutor:
         self.bytes_moved[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += num_bytes
         if HOT in (src_tier, dst_tier):
             self.link_monitor.record(num_bytes)
+
+    def persist_if_published(self, block_id: int) -> None:
+        """A published block whose whole data is in the cold tier gets a durable record there
+        (written behind, off this thread: see ColdTier.persist), so a later process can reuse it."""
+        entry = self.index.get(block_id)
+        if entry.tier == COLD and entry.key is not None and entry.root is not None:
+            try:
+                self.tiers[COLD].persist(entry.slot, entry.key, entry.root)
+            except ValueError as error:  # not whole yet: it stays a cold block, just not durable
+                log.warning("tiered_kv: block %d not made durable: %s", block_id, error)
 
     def free_block(self, block_id: int) -> None:
         entry = self.index.remove(block_id)

@@ -17,6 +17,7 @@ only touched under the lock. A store is not copied by `copy.deepcopy`: copies sh
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -26,7 +27,7 @@ import torch
 from ..block_index import BlockIndex
 from ..blocks import KVLayout
 from ..config import Config, load_config
-from ..errors import CapacityError, LayoutError
+from ..errors import CapacityError, ColdPathInUseError, LayoutError
 from ..hw.copy_engine import make_copy_engine
 from ..hw.devices import resolve_device, resolve_pinned
 from ..hw.link_monitor import make_link_monitor
@@ -37,6 +38,8 @@ from ..tiers.cold_files import ColdDirectory, open_cold_directory
 from .executor import PlanExecutor
 from .step_access import StepAccess
 from .token_map import TierRun, TokenMapper
+
+log = logging.getLogger("tiered_kv")
 
 STAGING_BYTES = 32 * 2**20  # host staging for cold-tier batches
 PIN_WAIT_S = 60.0  # how long an allocation waits for other steps to unpin blocks it needs
@@ -66,9 +69,16 @@ class TierStore(StepAccess):
         self._closed = False
         self._num_owners = 0  # banks that created this store and close it together
         self._cold_directory: ColdDirectory | None = None
+        self.cold_unavailable: str | None = None  # why this store runs without its cold tier
         if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
-            # fail at start, not at the first spill, when the cold directory is unusable or taken
-            self._cold_directory = open_cold_directory(self.config.cold.path)
+            # fail at start, not at the first spill, when the cold directory is unusable
+            try:
+                self._cold_directory = open_cold_directory(self.config.cold.path)
+            except ColdPathInUseError as error:
+                # one writer per cold directory: a second store (another chat process on the same
+                # config) runs on hot and warm alone rather than failing or sharing unsafely
+                self.cold_unavailable = str(error)
+                log.warning("tiered_kv: %s; this store runs without a cold tier", error)
 
     def __deepcopy__(self, memo):
         return self  # a store is a shared resource: copies of banks share it
@@ -96,7 +106,7 @@ class TierStore(StepAccess):
     def _bind(self, layout: KVLayout, dtype: torch.dtype) -> None:
         cfg = self.config
         capacities = [cfg.hot.resolve_blocks(layout.block_bytes), cfg.warm.resolve_blocks(layout.block_bytes),
-                      cfg.cold.resolve_blocks(layout.block_bytes)]
+                      cfg.cold.resolve_blocks(layout.block_bytes) if self._cold_directory is not None else 0]
         tiers = []
         try:
             tiers.append(HotTier(layout, capacities[HOT], self.device, dtype))
@@ -117,11 +127,28 @@ class TierStore(StepAccess):
             self._closed = True
             raise
         pools = [SlotPool(n, TIER_NAMES[t]) for t, n in enumerate(capacities)]
+        if tiers[COLD] is not None:
+            self._import_durable_records(tiers[COLD], pools[COLD])
         self.tiers, self.pools = tiers, pools
         self._executor = PlanExecutor(tiers, pools, self.index, staging, self.copy_engine, self.link_monitor,
                                       layout.block_bytes, self.is_pinned)
         self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.copy_engine)
         self.layout, self.dtype = layout, dtype
+
+    def _import_durable_records(self, cold, pool: SlotPool) -> None:
+        """Blocks an earlier process left durable in the cold tier come back as cached published
+        blocks (unreferenced, least recently used first): attach() finds them by key."""
+        duplicates = []
+        for slot, key, root in cold.durable_records():
+            pool.take([slot])
+            block_id = self.index.add(COLD, slot)
+            self.index.decref(block_id)
+            if not self.index.publish(block_id, key, root):
+                duplicates.append(block_id)  # a second record of one key (a crash mid-move): drop it
+        for block_id in duplicates:
+            entry = self.index.remove(block_id)
+            pool.free([entry.slot])
+            cold.forget([entry.slot])
 
     @property
     def capacities(self) -> list[int]:
@@ -198,9 +225,14 @@ class TierStore(StepAccess):
             return new_id
 
     # ---- content addressing ----------------------------------------------------------------
-    def publish(self, block_id: int, key: bytes) -> bool:
+    def publish(self, block_id: int, key: bytes, root: bytes | None = None) -> bool:
+        """Name a full, verified block by its key (chained from `root`, the model fingerprint) so
+        other banks, and with a cold tier later processes, can reuse it."""
         with self.lock:
-            return self.index.publish(block_id, key)
+            published = self.index.publish(block_id, key, root)
+            if published:
+                self._executor.persist_if_published(block_id)
+            return published
 
     def lookup_and_retain(self, keys: list[bytes]) -> list[int]:
         """The blocks of the longest run of `keys` (from the first) that the store holds intact,
@@ -273,12 +305,20 @@ class TierStore(StepAccess):
                     continue
                 pool = self.pools[t]
                 if t == COLD:
-                    device = getattr(self.tiers[COLD], "file_path", "disabled")
+                    device = getattr(self.tiers[COLD], "file_path", None) or (
+                        f"unavailable: {self.cold_unavailable}" if self.cold_unavailable else "disabled")
                 tiers[name] = {"used_blocks": pool.num_used, "capacity_blocks": pool.num_slots,
                                "used_bytes": pool.num_used * self.layout.block_bytes,
                                "capacity_bytes": pool.num_slots * self.layout.block_bytes, "device": device}
             return {"tiers": tiers, "hits": dict(self.hits), "misses": self.misses,
                     "bytes_moved": dict(self.bytes_moved), "link_saturation": self.link_monitor.saturation()}
+
+    def _drain_if_bound(self) -> None:
+        if self.is_bound:
+            try:
+                self.drain_deferred()
+            except Exception as error:
+                log.warning("tiered_kv: releasing collected banks' blocks at close failed: %s", error)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -299,10 +339,27 @@ class TierStore(StepAccess):
             if self._num_owners <= 0:
                 self.close()
 
+    def _persist_before_close(self) -> None:
+        """A store that closes moves its published blocks down to the cold tier as room allows,
+        most recently used first, and waits until they are durable: the next process picks the
+        conversations up from there."""
+        if not self.is_bound or self.tiers[COLD] is None:
+            return
+        upper = [b for tier in (HOT, WARM) for b in reversed(self.index.blocks_in(tier))
+                 if self.index.get(b).key is not None]
+        try:
+            if upper:
+                self.demote(upper, COLD)
+            self.tiers[COLD].flush()
+        except Exception as error:  # closing goes on: what is durable stays durable
+            log.warning("tiered_kv: could not persist every published block before closing: %s", error)
+
     def close(self) -> None:
         with self.lock:
             if self._closed:
                 return
+            self._drain_if_bound()
+            self._persist_before_close()
             self._closed = True
             for tier in self.tiers:
                 if tier is not None:

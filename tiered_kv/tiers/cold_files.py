@@ -19,7 +19,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ColdPathInUseError, ConfigError
 from ..hw import block_io
 
 LOCK_NAME = ".lock"
@@ -120,7 +120,7 @@ class ColdDirectory:
             except OSError as exc:
                 os.close(lock.fd)
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise ConfigError(
+                    raise ColdPathInUseError(
                         f"config key 'cold.path': {self.path!r} is in use by another TierStore (this or another "
                         "process); allowed: a cold.path no other running store uses"
                     ) from None

@@ -1,0 +1,86 @@
+"""A durable cold tier: a conversation picked up by a new store (and a new process) on the same
+cold.path, from the blocks the last one left there, never from another model's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import tiered_kv
+from helpers import greedy, rand_ids, tier_config, tiny_model
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def _first_chat(model, cold_dir, ids, new_tokens=6):
+    bank = tiered_kv.CacheBank(model, tier_config("forces_cold", cold_dir))
+    bank.attach(ids)
+    out = greedy(model, ids, bank, new_tokens)
+    bank.close()  # closes the store it owns: published blocks are made durable in cold
+    return out
+
+
+def test_a_new_store_reattaches_a_conversation_from_cold(tmp_path):
+    model = tiny_model("llama")
+    out = _first_chat(model, tmp_path, rand_ids(1, 30))
+    follow = torch.cat([out, rand_ids(2, 4)], 1)
+    bank = tiered_kv.CacheBank(model, tier_config("forces_cold", tmp_path))
+    reused = bank.attach(follow)
+    assert reused == (out.shape[1] - 1) // 4 * 4  # every full block of the verified history
+    assert torch.equal(greedy(model, follow, bank, 5), greedy(model, follow, DynamicCache(config=model.config), 5))
+    bank.close()
+
+
+def test_another_model_of_the_same_shape_reuses_nothing_from_cold(tmp_path):
+    out = _first_chat(tiny_model("llama"), tmp_path, rand_ids(3, 30))
+    torch.manual_seed(99)
+    other = tiny_model("llama")
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    bank = tiered_kv.CacheBank(other, tier_config("forces_cold", tmp_path))
+    follow = torch.cat([out, rand_ids(4, 4)], 1)
+    assert bank.attach(follow) == 0
+    assert torch.equal(greedy(other, follow, bank, 5), greedy(other, follow, DynamicCache(config=other.config), 5))
+    bank.close()
+
+
+def test_a_new_process_reattaches_from_cold(tmp_path):
+    """Process 1 chats and exits; process 2 (a real new interpreter) attaches and continues."""
+    script = textwrap.dedent(f"""
+        import sys, json, torch
+        sys.path.insert(0, {str(TESTS_DIR)!r})
+        import tiered_kv
+        from helpers import greedy, rand_ids, tier_config, tiny_model
+        model = tiny_model("llama")
+        cfg = tier_config("forces_cold", {str(tmp_path / "cold")!r})
+        ids = rand_ids(5, 30)
+        if sys.argv[1] == "first":
+            bank = tiered_kv.CacheBank(model, cfg)
+            out = greedy(model, ids, bank, 6)
+            bank.close()
+            torch.save(out, {str(tmp_path / "out.pt")!r})
+        else:
+            out = torch.load({str(tmp_path / "out.pt")!r})
+            follow = torch.cat([out, rand_ids(6, 4)], 1)
+            bank = tiered_kv.CacheBank(model, cfg)
+            reused = bank.attach(follow)
+            tokens = greedy(model, follow, bank, 5)
+            print(json.dumps({{"reused": reused, "tokens": tokens.tolist(), "history": out.shape[1]}}))
+    """)
+    run = [sys.executable, "-c", script]
+    subprocess.run(run + ["first"], check=True, timeout=120)
+    second = subprocess.run(run + ["second"], check=True, timeout=120, capture_output=True, text=True)
+
+    result = json.loads(second.stdout.strip().splitlines()[-1])
+    assert result["reused"] == (result["history"] - 1) // 4 * 4
+    model = tiny_model("llama")
+    out = torch.load(tmp_path / "out.pt")
+    follow = torch.cat([out, rand_ids(6, 4)], 1)
+    assert result["tokens"] == greedy(model, follow, DynamicCache(config=model.config), 5).tolist()
