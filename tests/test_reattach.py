@@ -84,3 +84,32 @@ def test_a_new_process_reattaches_from_cold(tmp_path):
     out = torch.load(tmp_path / "out.pt")
     follow = torch.cat([out, rand_ids(6, 4)], 1)
     assert result["tokens"] == greedy(model, follow, DynamicCache(config=model.config), 5).tolist()
+
+
+def test_two_processes_on_one_cold_path_at_once(tmp_path):
+    """A second process on the same config while the first runs: it gets no cold tier (one
+    writer per directory), chats correctly on hot and warm, and the first keeps its cold tier."""
+    cold_dir = tmp_path / "cold"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS_DIR)!r})
+        import tiered_kv
+        from helpers import tier_config, tiny_model
+        bank = tiered_kv.CacheBank(tiny_model("llama"), tier_config("forces_cold", {str(cold_dir)!r}))
+        print(bank.stats()["tiers"]["cold"]["capacity_blocks"], flush=True)
+        sys.stdin.readline()
+        bank.close()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert int(holder.stdout.readline()) == 256  # the first process has its cold tier
+        model = tiny_model("llama")
+        config = tier_config("forces_cold", cold_dir)
+        config["warm"]["capacity_blocks"] = 64
+        bank = tiered_kv.CacheBank(model, config)
+        assert bank.stats()["tiers"]["cold"]["capacity_blocks"] == 0
+        ids = rand_ids(7, 30)
+        assert torch.equal(greedy(model, ids, bank, 5), greedy(model, ids, DynamicCache(config=model.config), 5))
+        bank.close()
+    finally:
+        holder.communicate("done\n", timeout=60)
+    assert holder.returncode == 0

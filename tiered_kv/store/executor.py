@@ -85,9 +85,7 @@ class PlanExecutor:
             self._record(move.block_id, move.src_tier, move.dst_tier)
             self.persist_if_published(move.block_id)
         self.copy_engine.before_device_use()
-        if self.tiers[COLD] is not None:
-            self.tiers[COLD].flush()
-        return corrupt
+        return corrupt  # durability is the cold tier's writer thread's: nothing waits for it here
 
     def _allocate_slot(self, tier: int, move) -> int:
         allocated = self.pools[tier].allocate(1)

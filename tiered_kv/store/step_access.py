@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptBlockError
-from ..scheduler import COLD, TIER_NAMES, Move, Plan
+from ..scheduler import TIER_NAMES, Move, Plan
 from .token_map import TierRun
 
 
@@ -75,15 +75,14 @@ class StepAccess:
             self._pinned_by_step[owner] = block_ids
 
     def end_step(self, owner: int, read_host_tiers: bool = False) -> None:
-        """Unpin a step's blocks (it ended or was rolled back) and make cold writes durable."""
+        """Unpin a step's blocks (it ended or was rolled back). Cold records become durable off
+        this path, on the cold tier's writer thread (see ColdTier.persist)."""
         with self.lock:
             if self._pinned_by_step.pop(owner, None) is None:
                 return
             self._executor.free_quarantined()
             if read_host_tiers:
                 self.copy_engine.after_host_to_device()  # warm slots may be reused by the host next
-            if not self._closed and self.tiers[COLD] is not None:
-                self.tiers[COLD].flush()
             self._step_ended.notify_all()
 
     def touch(self, block_ids) -> None:
