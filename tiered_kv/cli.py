@@ -153,7 +153,7 @@ def _gc(args: argparse.Namespace) -> int:
         return _fail(exc, EXIT_USAGE)
     except (OSError, sqlite3.Error) as exc:  # the disk or the index failed midway
         return _fail(exc, 1)
-    print(gc_text(drops, args.dry_run))
+    print(gc_text(found, drops, args.dry_run))
     return 0
 
 

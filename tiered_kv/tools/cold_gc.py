@@ -61,7 +61,8 @@ def choose_drops(records: list[Record], drop_roots: set[bytes] = frozenset(), ke
         elif keep_roots is not None and record.root not in keep_roots:
             drops[where] = Drop(record, "root not kept")
     if max_bytes is not None:
-        rest = sorted((r for r in records if (r.file, r.slot) not in drops), key=lambda r: (r.last_access, r.file, r.slot))
+        rest = sorted((r for r in records if (r.file, r.slot) not in drops),
+                      key=lambda r: (r.last_access, r.file, r.slot))
         total_bytes = sum(r.record_bytes for r in rest)
         for record in rest:
             if total_bytes <= max_bytes:

@@ -54,8 +54,9 @@ def inspect_json(found: ColdScan) -> dict:
 
 
 def inspect_text(found: ColdScan) -> str:
+    running = "yes" if found.store_running else "no"
     lines = [f"cold directory {found.path}",
-             f"  store running: {'yes' if found.store_running else 'no'}; free disk {human_bytes(found.free_disk_bytes)}"]
+             f"  store running: {running}; free disk {human_bytes(found.free_disk_bytes)}"]
     for f in inspect_json(found)["files"]:
         lines.append(f["name"] if f["file_bytes"] is not None else f"{f['name']} (missing; index {f['index']})")
         layout = f["layout"]
@@ -81,10 +82,11 @@ def inspect_text(found: ColdScan) -> str:
     return "\n".join(lines)
 
 
-def gc_text(drops, dry_run: bool) -> str:
+def gc_text(found: ColdScan, drops, dry_run: bool) -> str:
     verb = "would drop" if dry_run else "dropped"
-    lines = [f"{verb} {d.record.file} slot {d.record.slot} (root {d.record.root.hex()[:ROOT_HEX_CHARS]}, "
-             f"{d.reason})" for d in drops]
+    lines = [f"skipped {f.name}: {f.problem}" for f in found.files if f.problem]
+    lines += [f"{verb} {d.record.file} slot {d.record.slot} (root {d.record.root.hex()[:ROOT_HEX_CHARS]}, "
+              f"{d.reason})" for d in drops]
     total = sum(d.record.record_bytes for d in drops)
     lines.append(f"{verb} {len(drops)} records, {human_bytes(total)}")
     return "\n".join(lines)
