@@ -1,4 +1,5 @@
-"""The `tiered-kv` command line. `tiered-kv chat` runs the scripted multi-turn chat (the main job).
+"""The `tiered-kv` command line. `tiered-kv chat` runs the scripted multi-turn chat (the main job);
+`tiered-kv inspect` and `tiered-kv gc` look into and clean a cold directory (tiered_kv/tools/).
 
 Bad input (a config that does not validate, a missing model or script file) is reported as
 one line on stderr with exit status 2, never a traceback.
@@ -7,6 +8,8 @@ one line on stderr with exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import json
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -53,7 +56,35 @@ def build_parser() -> argparse.ArgumentParser:
                       help="user messages, one per line (blank lines and lines starting with # are skipped); "
                            "the script repeats if --turns asks for more")
     chat.add_argument("--no-progress", action="store_true", help="no progress bar while loading the model")
+    _add_cold_commands(commands)
     return parser
+
+
+def _add_cold_commands(commands) -> None:
+    inspect = commands.add_parser(
+        "inspect", help="show a cold directory's layouts, stored prefixes, sizes and free space (read-only)",
+        description="Read-only report on a cold directory: per block file its layout, capacity, used and free "
+                    "slots, the stored blocks grouped by root key (model fingerprint), free disk space, and "
+                    "whether a store runs on it. Takes no lock and writes nothing. Exit 1 if --verify finds a "
+                    "bad record.")
+    inspect.add_argument("path", metavar="PATH", help="the cold directory (cold.path)")
+    inspect.add_argument("--verify", action="store_true",
+                         help="read every durable record and check its header and each layer's XXH3 checksum")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
+    gc = commands.add_parser(
+        "gc", help="drop stored blocks of a cold directory by root key, damage or size (no store may run)",
+        description="Drop durable records from a cold directory under its writer lock: those of the given "
+                    "roots, of every root but the kept ones, those failing verification, then the least "
+                    "recently used until the records fit in --max-bytes. Files are never deleted or resized.")
+    gc.add_argument("path", metavar="PATH", help="the cold directory (cold.path)")
+    gc.add_argument("--drop-root", action="append", default=[], metavar="HEX",
+                    help="drop the records of this root key (a hex prefix, as inspect shows); repeatable")
+    gc.add_argument("--keep-root", action="append", default=[], metavar="HEX",
+                    help="drop the records of every root but this one; repeatable")
+    gc.add_argument("--max-bytes", default=None, metavar="SIZE",
+                    help="then drop least recently used records until their on-disk record bytes fit (e.g. 1GiB)")
+    gc.add_argument("--drop-bad", action="store_true", help="drop the records that fail verification")
+    gc.add_argument("--dry-run", action="store_true", help="print what would be dropped; change nothing")
 
 
 def read_script(path: str) -> list[str]:
@@ -98,6 +129,34 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from .tools.cold_report import inspect_json, inspect_text
+    from .tools.cold_scan import NotColdDirectory, scan
+
+    try:
+        found = scan(args.path, verify=args.verify)
+    except (NotColdDirectory, OSError) as exc:
+        return _fail(exc, EXIT_USAGE)
+    print(json.dumps(inspect_json(found), indent=2) if args.json else inspect_text(found))
+    return 1 if any(f.bad for f in found.files) else 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from .config import parse_size
+    from .tools.cold_gc import run_gc
+    from .tools.cold_report import gc_text
+
+    try:
+        max_bytes = None if args.max_bytes is None else parse_size(args.max_bytes, key="--max-bytes")
+        found, drops = run_gc(args.path, args.drop_root, args.keep_root, max_bytes, args.drop_bad, args.dry_run)
+    except ValueError as exc:  # a bad size, not a cold directory, a running store, an unknown root
+        return _fail(exc, EXIT_USAGE)
+    except (OSError, sqlite3.Error) as exc:  # the disk or the index failed midway
+        return _fail(exc, 1)
+    print(gc_text(found, drops, args.dry_run))
+    return 0
+
+
 def _fail(exc: BaseException, status: int) -> int:
     message = " ".join(str(exc).split()) or type(exc).__name__
     print(f"tiered-kv: error: {message}", file=sys.stderr)
@@ -111,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
+        if args.command == "inspect":
+            return _inspect(args)
+        if args.command == "gc":
+            return _gc(args)
         return _chat(args)
     except KeyboardInterrupt:
         print("tiered-kv: interrupted", file=sys.stderr)
