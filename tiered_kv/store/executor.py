@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -40,7 +41,8 @@ class PlanExecutor:
         self.is_pinned = is_pinned
         self.quarantined: list[tuple[int, int, int]] = []  # (block, tier, slot) of pinned corrupt blocks
         self.bytes_moved = {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
-        self._journals: dict[int, list[Move]] = {}  # thread id -> moves applied while it records
+        self._journals: dict[int, list[Move]] = {}
+        self._reader: ThreadPoolExecutor | None = None  # reads cold chunks ahead (see _Reads)  # thread id -> moves applied while it records
 
     # ---- a journal of moves, so a failed step can put blocks back ------------------------------
     def start_journal(self) -> None:
@@ -110,37 +112,59 @@ class PlanExecutor:
         return batch
 
     def _apply_batch(self, batch: list) -> list[int]:
+        """Moves between cold and another tier through the staging buffer. Reads out of cold run
+        in ascending file order and double-buffered: a reader thread fills one half of staging
+        while this thread copies the other half to its destination, so the disk never waits on
+        the checksums and copies."""
         src_tier, dst_tier = batch[0].src_tier, batch[0].dst_tier
-        src, dst = self.tiers[src_tier], self.tiers[dst_tier]
+        batch = sorted(batch, key=lambda move: self.index.get(move.block_id).slot)  # independent moves
+        halves = 2 if src_tier == COLD and self.staging.shape[0] >= 2 else 1
+        chunk_blocks = self.staging.shape[0] // halves
+        chunks = [batch[i:i + chunk_blocks] for i in range(0, len(batch), chunk_blocks)]
+        buffers = [self.staging[h * chunk_blocks:(h + 1) * chunk_blocks] for h in range(halves)]
+        slots = [[self.index.get(m.block_id).slot for m in chunk] for chunk in chunks]
         corrupt: list[int] = []
-        chunk_blocks = self.staging.shape[0]
-        for start in range(0, len(batch), chunk_blocks):
-            chunk = batch[start:start + chunk_blocks]
-            src_slots = [self.index.get(m.block_id).slot for m in chunk]
-            staging = self.staging[:len(chunk)]
-            self.copy_engine.before_host_read()  # the previous chunk's copies out of staging are done
-            if src_tier == COLD:
-                try:
-                    src.read_blocks(src_slots, out=staging)
-                except CorruptBlockError:  # find the bad ones block by block; the good ones still move
+        # destination slots in ascending order, in the batch's (file, usually token) order: a chat
+        # promoted whole lands in consecutive hot slots, which attention then reads as one view
+        all_dst_slots = self.pools[dst_tier].allocate(len(batch))
+        if all_dst_slots is None:
+            raise RuntimeError(f"plan is infeasible: {len(batch)} moves into {TIER_NAMES[dst_tier]} but it is full")
+        all_dst_slots.sort()
+        dst_chunks = [all_dst_slots[i:i + chunk_blocks] for i in range(0, len(batch), chunk_blocks)]
+        reads = _Reads(self, src_tier, chunks, slots, buffers)
+        done_chunks = 0
+        try:
+            for k, chunk in enumerate(chunks):
+                staging = reads.wait(k)  # None: a block of this chunk failed its checksum
+                if staging is None:  # find the bad ones block by block; the good ones still move
+                    self.pools[dst_tier].free(dst_chunks[k])
+                    done_chunks = k + 1
                     corrupt += self.apply(Plan(moves=chunk), batch_cold_moves=False)
                     continue
-            else:
-                for i, slot in enumerate(src_slots):
-                    self.copy_engine.copy(staging[i], src.block_view(slot))
-                self.copy_engine.before_host_read()
-            dst_slots = self.pools[dst_tier].allocate(len(chunk))
-            if dst_slots is None:
-                raise RuntimeError(f"plan is infeasible: {len(chunk)} moves into {TIER_NAMES[dst_tier]} but it is full")
-            dst.write_blocks(dst_slots, staging)
-            self.copy_engine.after_host_to_device()  # staging may be refilled only once this copy read it
-            for move, src_slot, dst_slot in zip(chunk, src_slots, dst_slots):
-                self.free_slot(src_tier, src_slot)
-                self.index.move(move.block_id, dst_tier, dst_slot)
-                self._record(move.block_id, src_tier, dst_tier)
-                self.persist_if_published(move.block_id)
-            self._count(src_tier, dst_tier, len(chunk) * self.block_bytes)
+                dst_slots = dst_chunks[k]
+                self.tiers[dst_tier].write_blocks(dst_slots, staging)
+                self.copy_engine.after_host_to_device()  # staging may be refilled only once this copy read it
+                reads.release(k)
+                for move, src_slot, dst_slot in zip(chunk, slots[k], dst_slots):
+                    self.free_slot(src_tier, src_slot)
+                    self.index.move(move.block_id, dst_tier, dst_slot)
+                    self._record(move.block_id, src_tier, dst_tier)
+                    self.persist_if_published(move.block_id)
+                done_chunks = k + 1
+                self._count(src_tier, dst_tier, len(chunk) * self.block_bytes)
+        except BaseException:
+            unused = [slot for slots_k in dst_chunks[done_chunks:] for slot in slots_k]
+            if unused:  # the moves not made give their destination slots back
+                self.pools[dst_tier].free(unused)
+            raise
+        finally:
+            reads.finish()
         return corrupt
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
 
     # ---- single blocks ---------------------------------------------------------------------
     def copy_data(self, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
@@ -219,3 +243,62 @@ class PlanExecutor:
         for block_id in bad:
             self.mark_corrupt(block_id)
         return bad
+
+
+class _Reads:
+    """The staging reads of one batch: chunk k lands in buffer k % len(buffers). Out of cold, the
+    read of chunk k+1 runs on the executor's reader thread once chunk k's buffer is released;
+    otherwise (device/host -> staging) each chunk is read when it is waited for."""
+
+    def __init__(self, executor: PlanExecutor, src_tier: int, chunks: list, slots: list, buffers: list):
+        self.executor, self.src_tier, self.slots, self.buffers = executor, src_tier, slots, buffers
+        self.sizes = [len(chunk) for chunk in chunks]
+        self.pending: dict[int, object] = {}
+        if src_tier == COLD and chunks:
+            self._start(0)
+            if len(buffers) > 1 and len(chunks) > 1:
+                self._start(1)
+
+    def _buffer(self, k: int) -> torch.Tensor:
+        return self.buffers[k % len(self.buffers)][:self.sizes[k]]
+
+    def _read_cold(self, k: int) -> None:
+        self.executor.tiers[COLD].read_blocks(self.slots[k], out=self._buffer(k))
+
+    def _start(self, k: int) -> None:
+        if self.executor._reader is None:
+            self.executor._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered_kv-cold-read")
+        self.pending[k] = self.executor._reader.submit(self._read_cold, k)
+
+    def wait(self, k: int) -> torch.Tensor | None:
+        engine = self.executor.copy_engine
+        if self.src_tier != COLD:
+            engine.before_host_read()  # the previous chunk's copies out of staging are done
+            src = self.executor.tiers[self.src_tier]
+            for i, slot in enumerate(self.slots[k]):
+                engine.copy(self._buffer(k)[i], src.block_view(slot))
+            engine.before_host_read()
+            return self._buffer(k)
+        if k not in self.pending:  # one buffer: read now
+            self._start(k)
+        try:
+            self.pending.pop(k).result()
+        except CorruptBlockError:
+            self.release(k)
+            return None
+        return self._buffer(k)
+
+    def release(self, k: int) -> None:
+        """Chunk k's buffer was copied out: start reading the chunk that will reuse it."""
+        following = k + len(self.buffers)
+        if self.src_tier == COLD and len(self.buffers) > 1 and following < len(self.sizes):
+            self._start(following)
+
+    def finish(self) -> None:
+        """Wait for reads still in flight (staging must be idle when the batch returns)."""
+        for future in self.pending.values():
+            try:
+                future.result()
+            except Exception:  # an error already reported, or the batch is failing anyway
+                pass
+        self.pending.clear()

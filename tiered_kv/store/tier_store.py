@@ -361,6 +361,8 @@ class TierStore(StepAccess):
             self._drain_if_bound()
             self._persist_before_close()
             self._closed = True
+            if self._executor is not None:
+                self._executor.close()
             for tier in self.tiers:
                 if tier is not None:
                     tier.close()
