@@ -101,3 +101,45 @@ def flip_cold_byte(store, block_id: int, byte_offset: int) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
         f.flush()
         os.fsync(f.fileno())
+
+
+# ---- shared by the issue-6 store-level fault tests (crash recovery) ----------------------------
+
+def published_chain(store, model, ids) -> list[int]:
+    """Block ids the store holds, published under `model`'s chain keys for the leading full blocks
+    of `ids` (`[1, n]`), in token order, up to the first block it does not hold. Retains nothing."""
+    from tiered_kv.identity import ModelFingerprint, chain_keys
+
+    block_size = store.config.block_size
+    root = ModelFingerprint.of(model, block_size).root_key(store.layout.dtype_name)
+    token_ids = [int(x) for x in ids[0].tolist()]
+    found = []
+    for key in chain_keys(root, token_ids, block_size, 0, len(token_ids) // block_size):
+        block_id = store.index.lookup(key)
+        if block_id is None:
+            break
+        found.append(block_id)
+    return found
+
+
+def mount_tmpfs(path, size: str):
+    """Mount a tmpfs of `size` at `path` (created 0700). Returns None when mounted, else why not
+    (not root, no mount(8), refused); the caller umounts with `umount_tmpfs`."""
+    import os
+    import subprocess
+
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.geteuid() != 0:
+        return "mounting a tmpfs needs root"
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"mount failed: {exc}"
+    return None if done.returncode == 0 else f"mount failed: {done.stderr.strip() or done.returncode}"
+
+
+def umount_tmpfs(path) -> None:
+    import subprocess
+
+    subprocess.run(["umount", "--lazy", str(path)], check=True)  # lazy: detaches even with files open
