@@ -372,8 +372,4 @@ def test_a_tmpfs_filling_up_mid_chat_never_serves_wrong_tokens(model, conversati
     finally:
         umount_tmpfs(mount)
     _report("tmpfs full mid-chat", answered, errors)
-    unclear = _unclear(errors)
-    if unclear:  # tokens were never wrong (checked above); the error does not say why
-        pytest.xfail("known bug: ColdIndex.apply's ROLLBACK after sqlite's own rollback on SQLITE_FULL "
-                     "replaces 'database or disk is full' with 'cannot rollback - no transaction is active' "
-                     f"(errno 0): {unclear[0]}")
+    assert _unclear(errors) == []  # every error says why (the disk is full), none is vague

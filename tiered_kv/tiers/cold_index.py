@@ -111,7 +111,8 @@ class ColdIndex:
             db.executemany("UPDATE records SET last_access = ? WHERE slot = ?", [(t, s) for s, t in touches])
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # on SQLITE_FULL sqlite has rolled back already: keep its error
+                db.execute("ROLLBACK")
             raise
 
     def close(self) -> None:
