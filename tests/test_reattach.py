@@ -113,3 +113,17 @@ def test_two_processes_on_one_cold_path_at_once(tmp_path):
     finally:
         holder.communicate("done\n", timeout=60)
     assert holder.returncode == 0
+
+
+def test_a_shared_system_prompt_is_reused_by_new_chats_after_a_restart(tmp_path):
+    model = tiny_model("llama")
+    system = rand_ids(8, 24)  # 6 full blocks
+    _first_chat(model, tmp_path, torch.cat([system, rand_ids(9, 5)], 1))
+    store = tiered_kv.TierStore(tier_config("forces_cold", tmp_path))
+    for chat in range(3):  # new chats, the same system prompt, other user messages
+        ids = torch.cat([system, rand_ids(20 + chat, 6)], 1)
+        bank = tiered_kv.CacheBank(model, store=store)
+        assert bank.attach(ids) == 24
+        assert torch.equal(greedy(model, ids, bank, 4), greedy(model, ids, DynamicCache(config=model.config), 4))
+        bank.close()
+    store.close()
