@@ -35,7 +35,9 @@ from ..pool import SlotPool
 from ..scheduler import COLD, HOT, TIER_NAMES, WARM, MemScheduler
 from ..tiers import ColdTier, HotTier, WarmTier
 from ..tiers.cold_files import ColdDirectory, open_cold_directory
+from .durability import Durability
 from .executor import PlanExecutor
+from .reporting import Reporting
 from .step_access import StepAccess
 from .token_map import TierRun, TokenMapper
 
@@ -45,7 +47,7 @@ STAGING_BYTES = 32 * 2**20  # host staging for cold-tier batches
 PIN_WAIT_S = 60.0  # how long an allocation waits for other steps to unpin blocks it needs
 
 
-class TierStore(StepAccess):
+class TierStore(StepAccess, Durability, Reporting):
     def __init__(self, config: Config | dict | str | None = None):
         self.config = load_config(config if config is not None else {})
         self.device = resolve_device(self.config.hot.device)
@@ -134,21 +136,6 @@ class TierStore(StepAccess):
                                       layout.block_bytes, self.is_pinned)
         self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.copy_engine)
         self.layout, self.dtype = layout, dtype
-
-    def _import_durable_records(self, cold, pool: SlotPool) -> None:
-        """Blocks an earlier process left durable in the cold tier come back as cached published
-        blocks (unreferenced, least recently used first): attach() finds them by key."""
-        duplicates = []
-        for slot, key, root in cold.durable_records():
-            pool.take([slot])
-            block_id = self.index.add(COLD, slot)
-            self.index.decref(block_id)
-            if not self.index.publish(block_id, key, root):
-                duplicates.append(block_id)  # a second record of one key (a crash mid-move): drop it
-        for block_id in duplicates:
-            entry = self.index.remove(block_id)
-            pool.free([entry.slot])
-            cold.forget([entry.slot])
 
     @property
     def capacities(self) -> list[int]:
@@ -286,33 +273,6 @@ class TierStore(StepAccess):
             return [e.tier for e in entries], [e.slot for e in entries]
 
     # ---- reporting / teardown --------------------------------------------------------------
-    @property
-    def bytes_moved(self) -> dict:
-        if self._executor is None:
-            return {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
-        return self._executor.bytes_moved
-
-    def stats(self) -> dict:
-        with self.lock:
-            self.drain_deferred()
-            tiers = {}
-            for t, name in enumerate(TIER_NAMES):
-                device = str(self.device) if t == HOT else ("cpu (pinned)" if self.pinned else "cpu") if t == WARM \
-                    else "file"
-                if not self.is_bound or self._closed:
-                    tiers[name] = {"used_blocks": 0, "capacity_blocks": 0, "used_bytes": 0, "capacity_bytes": 0,
-                                   "device": device}
-                    continue
-                pool = self.pools[t]
-                if t == COLD:
-                    device = getattr(self.tiers[COLD], "file_path", None) or (
-                        f"unavailable: {self.cold_unavailable}" if self.cold_unavailable else "disabled")
-                tiers[name] = {"used_blocks": pool.num_used, "capacity_blocks": pool.num_slots,
-                               "used_bytes": pool.num_used * self.layout.block_bytes,
-                               "capacity_bytes": pool.num_slots * self.layout.block_bytes, "device": device}
-            return {"tiers": tiers, "hits": dict(self.hits), "misses": self.misses,
-                    "bytes_moved": dict(self.bytes_moved), "link_saturation": self.link_monitor.saturation()}
-
     def _drain_if_bound(self) -> None:
         if self.is_bound:
             try:
@@ -338,21 +298,6 @@ class TierStore(StepAccess):
             self._num_owners -= 1
             if self._num_owners <= 0:
                 self.close()
-
-    def _persist_before_close(self) -> None:
-        """A store that closes moves its published blocks down to the cold tier as room allows,
-        most recently used first, and waits until they are durable: the next process picks the
-        conversations up from there."""
-        if not self.is_bound or self.tiers[COLD] is None:
-            return
-        upper = [b for tier in (HOT, WARM) for b in reversed(self.index.blocks_in(tier))
-                 if self.index.get(b).key is not None]
-        try:
-            if upper:
-                self.demote(upper, COLD)
-            self.tiers[COLD].flush()
-        except Exception as error:  # closing goes on: what is durable stays durable
-            log.warning("tiered_kv: could not persist every published block before closing: %s", error)
 
     def close(self) -> None:
         with self.lock:
