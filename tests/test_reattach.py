@@ -127,3 +127,49 @@ def test_a_shared_system_prompt_is_reused_by_new_chats_after_a_restart(tmp_path)
         assert torch.equal(greedy(model, ids, bank, 4), greedy(model, ids, DynamicCache(config=model.config), 4))
         bank.close()
     store.close()
+
+
+def test_a_process_that_never_closes_its_store_still_leaves_its_chat_durable(tmp_path):
+    """Most programs never call close(): at interpreter exit the store moves its published blocks
+    (here all in hot) to cold and waits until they are durable."""
+    cold_dir = tmp_path / "cold"
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(TESTS_DIR)!r})
+        import tiered_kv
+        from helpers import greedy, rand_ids, tier_config, tiny_model
+        model = tiny_model("llama")
+        config = tier_config("all_hot", {str(cold_dir)!r})
+        config["cold"]["capacity_blocks"] = 64
+        bank = tiered_kv.CacheBank(model, config)
+        out = greedy(model, rand_ids(10, 30), bank, 6)
+        assert bank.stats()["bank_blocks"]["cold"] == 0
+        torch.save(out, {str(tmp_path / "out.pt")!r})
+    """)  # no close(): the process just ends
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    model = tiny_model("llama")
+    out = torch.load(tmp_path / "out.pt")
+    follow = torch.cat([out, rand_ids(11, 4)], 1)
+    config = tier_config("all_hot", cold_dir)
+    config["cold"]["capacity_blocks"] = 64
+    bank = tiered_kv.CacheBank(model, config)
+    assert bank.attach(follow) == (out.shape[1] - 1) // 4 * 4
+    assert torch.equal(greedy(model, follow, bank, 5), greedy(model, follow, DynamicCache(config=model.config), 5))
+    bank.close()
+
+
+def test_a_store_collected_at_interpreter_shutdown_never_hangs_the_exit(tmp_path):
+    """Without the exit hook (unregistered here) the store is only collected during finalization,
+    when the cold tier's writer thread no longer runs: closing must not wait for it forever."""
+    script = textwrap.dedent(f"""
+        import atexit, sys
+        sys.path.insert(0, {str(TESTS_DIR)!r})
+        import tiered_kv
+        import tiered_kv.store.tier_store as tier_store
+        from helpers import greedy, rand_ids, tier_config, tiny_model
+        atexit.unregister(tier_store._close_open_stores)
+        model = tiny_model("llama")
+        bank = tiered_kv.CacheBank(model, tier_config("forces_cold", {str(tmp_path / "cold")!r}))
+        greedy(model, rand_ids(12, 30), bank, 6)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)

@@ -8,6 +8,7 @@ move down to cold, most recent first as room allows, and it waits until they are
 from __future__ import annotations
 
 import logging
+import sys
 
 from ..pool import SlotPool
 from ..scheduler import COLD, HOT, WARM
@@ -35,8 +36,8 @@ class Durability:
         """A store that closes moves its published blocks down to the cold tier as room allows,
         most recently used first, and waits until they are durable: the next process picks the
         conversations up from there."""
-        if not self.is_bound or self.tiers[COLD] is None:
-            return
+        if not self.is_bound or self.tiers[COLD] is None or sys.is_finalizing():
+            return  # (at finalization no writer thread runs any more: the atexit hook came first)
         upper = [b for tier in (HOT, WARM) for b in reversed(self.index.blocks_in(tier))
                  if self.index.get(b).key is not None]
         try:

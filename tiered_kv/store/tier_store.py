@@ -17,8 +17,10 @@ only touched under the lock. A store is not copied by `copy.deepcopy`: copies sh
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 import time
 from collections import deque
 
@@ -47,6 +49,20 @@ STAGING_BYTES = 32 * 2**20  # host staging for cold-tier batches
 PIN_WAIT_S = 60.0  # how long an allocation waits for other steps to unpin blocks it needs
 
 
+_OPEN_STORES: "weakref.WeakSet[TierStore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_stores() -> None:
+    """At interpreter exit, close every store still open (most programs never call close()), so
+    published blocks reach the durable cold tier while the modules they need are still there."""
+    for store in list(_OPEN_STORES):
+        try:
+            store.close()
+        except Exception as error:  # exiting anyway: say so, keep closing the others
+            log.warning("tiered_kv: closing a store at exit failed: %s", error)
+
+
 class TierStore(StepAccess, Durability, Reporting):
     def __init__(self, config: Config | dict | str | None = None):
         self.config = load_config(config if config is not None else {})
@@ -71,6 +87,7 @@ class TierStore(StepAccess, Durability, Reporting):
         self._closed = False
         self._num_owners = 0  # banks that created this store and close it together
         self._cold_directory: ColdDirectory | None = None
+        _OPEN_STORES.add(self)
         self.cold_unavailable: str | None = None  # why this store runs without its cold tier
         if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
             # fail at start, not at the first spill, when the cold directory is unusable

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -159,7 +160,9 @@ class DurableWriter:
         with self._condition:
             target = self._queued
             while self._done < target and self._thread is not None and self._thread.is_alive():
-                self._condition.wait()
+                if sys.is_finalizing():  # daemon threads no longer run: nothing more becomes durable
+                    break
+                self._condition.wait(0.1)
             errors, self._errors = self._errors, []
             return errors
 
@@ -169,7 +172,7 @@ class DurableWriter:
             self._stopping = True
             self._condition.notify_all()
             thread = self._thread
-        if thread is not None:
+        if thread is not None and not sys.is_finalizing():
             thread.join()
         return errors
 
