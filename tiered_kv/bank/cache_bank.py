@@ -19,7 +19,6 @@ import itertools
 import threading
 import weakref
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -33,7 +32,7 @@ from . import forward_watch
 from .chat_ops import ChatOps
 from .stepping import Stepping
 from .rows import Row
-from .step import PlacementCache, RowInputs, Step
+from .step import PlacementCache, RowInputs, Step, tier_counts
 
 _STEP_OWNER_IDS = itertools.count(1)
 
@@ -264,12 +263,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         if self._step is not None and self._step.thread_id == threading.get_ident():
             self._rollback_step()
         out = self.store.stats()
-        per_tier = {name: 0 for name in TIER_NAMES}
-        with self.store.lock:
-            for row in self._rows:
-                tiers, _ = self.store.placements(row.table)
-                for tier, count in enumerate(np.bincount([t for t in tiers if t >= 0], minlength=3).tolist()):
-                    per_tier[TIER_NAMES[tier]] += count
-        out["bank_blocks"] = per_tier
+        counts = tier_counts([self.store.placements(row.table) for row in self._rows])
+        out["bank_blocks"] = {name: counts.get(tier, 0) for tier, name in enumerate(TIER_NAMES)}
         out["seq_tokens"] = self._seq_len
         return out

@@ -13,7 +13,7 @@ import torch
 
 from ..block_index import NO_TIER
 from ..identity import chain_keys
-from ..scheduler import TIER_NAMES
+from ..scheduler import HOT, TIER_NAMES
 from .rows import Row, common_prefix_length
 
 
@@ -108,7 +108,7 @@ class ChatOps:
         order = list(dict.fromkeys(table[i] for i in range(longest - 1, -1, -1) for table in tables if i < len(table)))
         with self.store.lock:
             tiers, _ = self.store.placements(order)
-            if all(t == 0 for t in tiers):
+            if (tiers == HOT).all():
                 return
             self.store.promote(order)
             self.store.verify(order)

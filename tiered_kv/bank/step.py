@@ -72,27 +72,19 @@ class PlacementCache:
 
     def lookup(self, store, row_index: int, table: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Tiers and slots of `table`'s blocks (store lock held by the caller)."""
-        index = store.index
-        if self.version == index.placement_version and row_index < len(self.rows):
+        if self.version == store.placement_version and row_index < len(self.rows):
             cached_table, tiers, slots = self.rows[row_index]
             n = len(cached_table)
             if n <= len(table) and table[:n] == cached_table:
                 if n == len(table):
                     return tiers, slots
-                extra_tiers, extra_slots = _placements(index, table[n:])
+                extra_tiers, extra_slots = store.placements(table[n:])
                 return np.concatenate((tiers, extra_tiers)), np.concatenate((slots, extra_slots))
-        return _placements(index, table)
+        return store.placements(table)
 
     def remember(self, version: int, tables: list[list[int]], placements) -> None:
         self.version = version
         self.rows = [(list(table), tiers, slots) for table, (tiers, slots) in zip(tables, placements)]
-
-
-def _placements(index, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    entries = [index.get(b) for b in block_ids]
-    tiers = np.fromiter((e.tier for e in entries), dtype=np.int64, count=len(entries))
-    slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
-    return tiers, slots
 
 
 def blocks_needed(num_tokens: int, block_size: int, table: list[int]) -> int:

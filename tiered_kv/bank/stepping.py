@@ -111,16 +111,16 @@ class Stepping:
         finally:
             step.moves = store.stop_journal()
         store.begin_step(self._step_owner, self._block_set)
-        step.placement_version = store.index.placement_version
+        step.placement_version = store.placement_version
         tables = [step.block_table(r, row.table) for r, row in enumerate(self._rows)]
         step.placements = [self._placement_cache.lookup(store, r, table) for r, table in enumerate(tables)]
         for tiers, slots in step.placements:
-            step.write_runs.append(store.mapper.map_range(tiers, slots, self._seq_len, step.num_tokens))
-            step.read_runs.append(store.mapper.map_range(tiers, slots, 0, step.num_tokens))
+            step.write_runs.append(store.map_range(tiers, slots, self._seq_len, step.num_tokens))
+            step.read_runs.append(store.map_range(tiers, slots, 0, step.num_tokens))
         step.reads_host_tiers = reads_host(step.read_runs)
-        if store.index.order_version != self._touched_order_version:  # else our blocks are still the most recent
+        if store.order_version != self._touched_order_version:  # else our blocks are still the most recent
             store.touch(self._block_set)
-        self._touched_order_version = store.index.order_version
+        self._touched_order_version = store.order_version
         store.count_hits(tier_counts(step.placements))
 
     def _make_room(self, step: Step, store: TierStore, block_size: int) -> None:

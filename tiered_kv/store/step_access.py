@@ -12,7 +12,7 @@ import torch
 
 from ..errors import CorruptBlockError
 from ..scheduler import TIER_NAMES, Move, Plan
-from .token_map import TierRun
+from .token_map import TierRun, raise_if_corrupt
 
 
 class StepAccess:
@@ -31,6 +31,7 @@ class StepAccess:
                 block_ids, step_owner = self._deferred.popleft()
                 self._pinned_by_step.pop(step_owner, None)
                 self.release(block_ids)
+                self._executor.free_quarantined()
                 self._step_ended.notify_all()
 
     # ---- tokens of one layer ---------------------------------------------------------------
@@ -39,11 +40,13 @@ class StepAccess:
         the blocks from moving (a pinned step, or no other thread) while it uses the runs."""
         with self.lock:
             tiers, slots = self.placements(block_ids)
-            tiers, slots = np.asarray(tiers, dtype=np.int64), np.asarray(slots, dtype=np.int64)
-            if (tiers < 0).any():
-                bad = sorted({b for b, t in zip(block_ids, tiers) if t < 0})
-                raise CorruptBlockError(f"blocks {bad} failed their checksum and must be recomputed")
+            raise_if_corrupt(tiers, np.asarray(block_ids, dtype=np.int64), "blocks")
             return self.mapper.group_by_tier(tiers, slots, np.asarray(offsets, dtype=np.int64))
+
+    def map_range(self, tiers: np.ndarray, slots: np.ndarray, start_token: int, end_token: int) -> list[TierRun]:
+        """Runs for tokens [start_token, end_token) of a sequence whose blocks lie at (tiers, slots)."""
+        with self.lock:
+            return self.mapper.map_range(tiers, slots, start_token, end_token)
 
     def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:
         """One layer's K/V of the mapped tokens. A slice that fails its check marks its block

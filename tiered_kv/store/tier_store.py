@@ -24,6 +24,7 @@ import weakref
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
 from ..block_index import BlockIndex
@@ -221,7 +222,6 @@ class TierStore(StepAccess, Durability, Reporting):
     def copy_block(self, block_id: int) -> int:
         """Copy-on-write: a new block with the same content (the caller releases the old one)."""
         with self.lock:
-            src = self.index.get(block_id)
             (new_id,) = self.allocate(1, protect=frozenset([block_id]))
             src, dst = self.index.get(block_id), self.index.get(new_id)
             self._executor.copy_data(src.tier, src.slot, dst.tier, dst.slot)
@@ -283,11 +283,23 @@ class TierStore(StepAccess, Durability, Reporting):
         with self.lock:
             self._executor.mark_corrupt(block_id)
 
-    def placements(self, block_ids: list[int]):
-        """(tier, slot) of each block, as two lists (for a step's token mapping)."""
+    def placements(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(tier, slot) of each block, as two int64 arrays (for a step's token mapping)."""
         with self.lock:
             entries = [self.index.get(b) for b in block_ids]
-            return [e.tier for e in entries], [e.slot for e in entries]
+            tiers = np.fromiter((e.tier for e in entries), dtype=np.int64, count=len(entries))
+            slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+            return tiers, slots
+
+    @property
+    def placement_version(self) -> int:
+        """Changes whenever any block changes tier or slot (a bank's cached placements go stale)."""
+        return self.index.placement_version
+
+    @property
+    def order_version(self) -> int:
+        """Changes whenever any tier's recency order changes."""
+        return self.index.order_version
 
     # ---- reporting / teardown --------------------------------------------------------------
     def _drain_if_bound(self) -> None:

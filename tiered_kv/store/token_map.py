@@ -17,6 +17,14 @@ from ..errors import CorruptBlockError
 from ..scheduler import COLD, HOT, WARM
 
 
+def raise_if_corrupt(block_tiers: np.ndarray, labels: np.ndarray, what: str) -> None:
+    """CorruptBlockError naming the corrupt ones (their `labels`) when any block holds no data."""
+    bad = block_tiers == NO_TIER
+    if bad.any():
+        raise CorruptBlockError(f"{what} {sorted(set(labels[bad].tolist()))} failed their checksum and must be "
+                                "recomputed")
+
+
 @dataclass
 class TierRun:
     """Tokens of one request that live in one tier: the tier's own index and where they go."""
@@ -42,9 +50,7 @@ class TokenMapper:
         bs = self.layout.block_size
         first, last = start_token // bs, (end_token - 1) // bs
         block_tiers, block_slots = tiers[first:last + 1], slots[first:last + 1]
-        if (block_tiers == NO_TIER).any():
-            raise CorruptBlockError(f"blocks at positions {np.nonzero(block_tiers == NO_TIER)[0] + first} failed "
-                                    "their checksum and must be recomputed")
+        raise_if_corrupt(block_tiers, np.arange(first, last + 1), "blocks at positions")
         lo, hi = start_token - first * bs, end_token - first * bs
         if (block_tiers == HOT).all() and (len(block_slots) == 1 or (np.diff(block_slots) == 1).all()):
             base = int(block_slots[0]) * bs  # consecutive hot slots: one slice of the slab
