@@ -26,7 +26,7 @@ __all__ = ["ALLOWED_BACKENDS", "ALLOWED_POLICIES", "ColdConfig", "Config", "HotC
            "SchedulerConfig", "WarmConfig", "load_config", "parse_size"]
 
 ALLOWED_BACKENDS = ("auto", "posix", "kvikio")
-ALLOWED_POLICIES = ("lru",)
+ALLOWED_POLICIES = ("lru", "lfu", "fifo", "ali")
 ALLOWED_PINNED = ("auto", "true", "false")
 MAX_BLOCK_SIZE_TOKENS = 1024
 
@@ -44,6 +44,12 @@ def _error(key: str, value: Any, allowed: str) -> ConfigError:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # YAML `true` is not a count
+
+
+def _is_share(value: Any) -> bool:
+    """A number in [0, 1] (YAML booleans are not numbers here)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and value == value and 0.0 <= value <= 1.0)
 
 
 def _choices(options: tuple[str, ...]) -> str:
@@ -76,8 +82,13 @@ class _TierConfig:
     """
     capacity_bytes: int | None = None
     capacity_blocks: int | None = None
+    # the background mover demotes by policy once the tier is fuller than `high_watermark`
+    # (a share of its capacity), down to `low_watermark`; 1.0 and 1.0 switch it off for the tier
+    high_watermark: float | None = None
+    low_watermark: float | None = None
 
     SECTION: ClassVar[str] = ""
+    DEFAULT_WATERMARKS: ClassVar[tuple[float, float]] = (1.0, 1.0)
     DEFAULT_CAPACITY_BYTES: ClassVar[int] = 0
     MIN_BLOCKS: ClassVar[int] = 0  # hot must hold a block; warm/cold may be 0 (tier disabled)
 
@@ -99,6 +110,17 @@ class _TierConfig:
                 allowed = "a size > 0 (the hot tier cannot be disabled)" if min_bytes else \
                     "a size >= 0 (0 disables the tier)"
                 raise _error(f"{section}.capacity", self.capacity_bytes, allowed)
+        high, low = self.DEFAULT_WATERMARKS
+        for name, default in (("high_watermark", high), ("low_watermark", low)):
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, default)
+            elif not _is_share(value):
+                raise _error(f"{section}.{name}", value, "a number from 0 to 1 (a share of the tier's capacity)")
+        if self.low_watermark > self.high_watermark:
+            raise ConfigError(
+                f"config key '{section}.low_watermark': got {self.low_watermark!r}, above "
+                f"'{section}.high_watermark' {self.high_watermark!r}; allowed: low_watermark <= high_watermark")
 
     def resolve_blocks(self, block_bytes: int) -> int:
         """Blocks of `block_bytes` bytes this tier holds: capacity_blocks if set, else
@@ -127,6 +149,7 @@ class HotConfig(_TierConfig):
 
     SECTION: ClassVar[str] = "hot"
     DEFAULT_CAPACITY_BYTES: ClassVar[int] = 512 * 2**20
+    DEFAULT_WATERMARKS: ClassVar[tuple[float, float]] = (0.9, 0.8)
     MIN_BLOCKS: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
@@ -146,6 +169,7 @@ class WarmConfig(_TierConfig):
 
     SECTION: ClassVar[str] = "warm"
     DEFAULT_CAPACITY_BYTES: ClassVar[int] = 2 * 2**30
+    DEFAULT_WATERMARKS: ClassVar[tuple[float, float]] = (0.95, 0.85)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -183,12 +207,49 @@ class ColdConfig(_TierConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    """Placement policy of the MemScheduler (see ALLOWED_POLICIES)."""
+    """How the MemScheduler places blocks (policy code: see tiered_kv/scheduler/).
+
+    Signals: ALI (access locality index) = the share of the last `ali_window` store steps that
+    read a block; a block belongs hot above `ali_hot`, warm above `ali_warm`, cold otherwise.
+    BS (link saturation, 0..1): above `bs_threshold`, optional background moves wait. CS (cost
+    sensitivity, 0..1, per chat: `CacheBank(..., cost_sensitivity=)`, else
+    `default_cost_sensitivity`) adds `cs_weight * CS` to a block's ALI-scale value under every
+    policy, so high-CS chats stay hot longer and are the last victims.
+    """
     policy: str = "lru"
+    ali_window: int = 100  # store steps
+    ali_hot: float = 0.7
+    ali_warm: float = 0.3
+    bs_threshold: float = 0.8
+    cs_weight: float = 0.5
+    default_cost_sensitivity: float = 0.5
+    idle_steps: int = 1000  # a chat unread this many store steps has its hot blocks demoted; 0: never
+    background: bool = True  # run the background mover (prefetch, watermark demotion, compaction)
+    mover_interval_s: float = 0.02  # how often the mover looks for work when nobody wakes it
+    max_fragmentation: float = 0.5  # hot pool: 1 - largest free run / free slots, above which it repacks
+    min_contiguity: float = 0.9  # per chat: share of its hot blocks in one run, below which it repacks
+
+    _SHARES: ClassVar[tuple[str, ...]] = ("ali_hot", "ali_warm", "bs_threshold", "cs_weight",
+                                          "default_cost_sensitivity", "max_fragmentation", "min_contiguity")
 
     def __post_init__(self) -> None:
         if self.policy not in ALLOWED_POLICIES:
             raise _error("scheduler.policy", self.policy, _choices(ALLOWED_POLICIES))
+        if not (_is_int(self.ali_window) and self.ali_window >= 1):
+            raise _error("scheduler.ali_window", self.ali_window, "an integer >= 1 (store steps)")
+        for name in self._SHARES:
+            if not _is_share(getattr(self, name)):
+                raise _error(f"scheduler.{name}", getattr(self, name), "a number from 0 to 1")
+        if self.ali_warm > self.ali_hot:
+            raise ConfigError(f"config key 'scheduler.ali_warm': got {self.ali_warm!r}, above 'scheduler.ali_hot' "
+                              f"{self.ali_hot!r}; allowed: ali_warm <= ali_hot")
+        if not (_is_int(self.idle_steps) and self.idle_steps >= 0):
+            raise _error("scheduler.idle_steps", self.idle_steps, "an integer >= 0 (store steps; 0 never demotes idle chats)")
+        if not isinstance(self.background, bool):
+            raise _error("scheduler.background", self.background, "true or false")
+        if not (isinstance(self.mover_interval_s, (int, float)) and not isinstance(self.mover_interval_s, bool)
+                and 0.001 <= self.mover_interval_s <= 60):
+            raise _error("scheduler.mover_interval_s", self.mover_interval_s, "a number of seconds from 0.001 to 60")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -225,10 +286,11 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-_SECTION_KEYS = {"hot": ("device", "capacity", "capacity_blocks"),
-                 "warm": ("capacity", "capacity_blocks", "pinned"),
-                 "cold": ("path", "capacity", "capacity_blocks", "backend", "fsync"),
-                 "scheduler": ("policy",)}
+_WATERMARK_KEYS = ("high_watermark", "low_watermark")
+_SECTION_KEYS = {"hot": ("device", "capacity", "capacity_blocks", *_WATERMARK_KEYS),
+                 "warm": ("capacity", "capacity_blocks", "pinned", *_WATERMARK_KEYS),
+                 "cold": ("path", "capacity", "capacity_blocks", "backend", "fsync", *_WATERMARK_KEYS),
+                 "scheduler": tuple(f.name for f in dataclasses.fields(SchedulerConfig))}
 _TOP_KEYS = ("block_size", *_SECTION_TYPES)
 
 
