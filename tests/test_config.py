@@ -154,10 +154,13 @@ def test_to_dict_exact():
                        "cold": {"path": "/tmp/kv", "backend": "posix", "fsync": False}})
     assert cfg.to_dict() == {
         "block_size": 16,
-        "hot": {"device": "auto", "capacity_blocks": 8},
-        "warm": {"capacity": 1024, "pinned": "true"},
-        "cold": {"path": "/tmp/kv", "capacity": 8 * GiB, "backend": "posix", "fsync": False},
-        "scheduler": {"policy": "lru"},
+        "hot": {"device": "auto", "capacity_blocks": 8, "high_watermark": 0.9, "low_watermark": 0.8},
+        "warm": {"capacity": 1024, "pinned": "true", "high_watermark": 0.95, "low_watermark": 0.85},
+        "cold": {"path": "/tmp/kv", "capacity": 8 * GiB, "backend": "posix", "fsync": False,
+                 "high_watermark": 1.0, "low_watermark": 1.0},
+        "scheduler": {"policy": "lru", "ali_window": 100, "ali_hot": 0.7, "ali_warm": 0.3, "bs_threshold": 0.8,
+                      "cs_weight": 0.5, "default_cost_sensitivity": 0.5, "idle_steps": 1000, "background": True,
+                      "mover_interval_s": 0.02, "max_fragmentation": 0.5, "min_contiguity": 0.9},
     }
 
 
