@@ -266,13 +266,13 @@ def test_promotion_with_warm_disabled_goes_straight_to_hot():
 # --- policy ----------------------------------------------------------------------------------
 
 def test_allowed_policies():
-    assert ALLOWED_POLICIES == ("lru",)
+    assert ALLOWED_POLICIES == ("lru", "lfu", "fifo", "ali")
     assert MemScheduler().policy == "lru"
 
 
-@pytest.mark.parametrize("policy", ["lfu", "", "LRU"])
+@pytest.mark.parametrize("policy", ["lfru", "", "LRU"])
 def test_unknown_policy_raises_naming_it(policy):
-    with pytest.raises(ValueError, match=rf"scheduler\.policy {policy!r} is not known; allowed: \('lru',\)"):
+    with pytest.raises(ValueError, match=rf"scheduler\.policy {policy!r} is not known; allowed: \('lru', 'lfu'"):
         MemScheduler(policy)
 
 

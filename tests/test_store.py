@@ -469,7 +469,9 @@ def test_stats_report_every_tier(make_store):
     store.allocate(4)
     store.count_hits({HOT: 2, WARM: 1})
     stats = store.stats()
-    assert set(stats) == {"tiers", "hits", "misses", "bytes_moved", "link_saturation"}
+    assert set(stats) == {"tiers", "hits", "misses", "bytes_moved", "link_saturation",  # today's keys, and
+                          "hit_rate", "turn_blocks", "moves", "bytes_on_demand", "bytes_background",
+                          "critical_path", "scheduler"}
     assert stats["tiers"]["hot"] == {"used_blocks": 2, "capacity_blocks": 2, "used_bytes": 1024,
                                      "capacity_bytes": 1024, "device": "cpu"}
     assert stats["tiers"]["warm"] == {"used_blocks": 2, "capacity_blocks": 3, "used_bytes": 1024,

@@ -29,6 +29,7 @@ class BlockEntry:
     ref_count: int = 1
     key: bytes | None = None  # published key (verified content), or None
     root: bytes | None = None  # the model fingerprint the key chains from (written in durable records)
+    arrived_at: int = 0  # the index clock (store steps) when the block entered its current tier
 
     @property
     def is_corrupt(self) -> bool:
@@ -44,12 +45,13 @@ class BlockIndex:
         self._next_id = 0
         self.order_version = 0
         self.placement_version = 0
+        self.clock = 0  # store steps so far (the store advances it); stamps `arrived_at`
 
     # ---- lifecycle -------------------------------------------------------------------------
     def add(self, tier: int, slot: int) -> int:
         block_id = self._next_id
         self._next_id += 1
-        self._entries[block_id] = BlockEntry(tier, slot, ref_count=1)
+        self._entries[block_id] = BlockEntry(tier, slot, ref_count=1, arrived_at=self.clock)
         self._recency[tier][block_id] = None
         self.order_version += 1
         return block_id
@@ -90,13 +92,23 @@ class BlockIndex:
     def move(self, block_id: int, tier: int, slot: int) -> None:
         entry = self._entry(block_id)
         self._leave_tier(block_id, entry)
-        entry.tier, entry.slot = tier, slot
+        entry.tier, entry.slot, entry.arrived_at = tier, slot, self.clock
         if tier != NO_TIER:
             self._recency[tier][block_id] = None
             if entry.ref_count == 0:
                 self._unreferenced[tier][block_id] = None
         self.placement_version += 1
         self.order_version += 1
+
+    def relocate(self, block_id: int, slot: int) -> None:
+        """The block's data moved to another slot of the same tier (compaction): its place in
+        every order stays, only placements change."""
+        self._entry(block_id).slot = slot
+        self.placement_version += 1
+
+    def arrival_steps(self, block_ids) -> list[int]:
+        entries = self._entries
+        return [entries[b].arrived_at for b in block_ids]
 
     def mark_corrupt(self, block_id: int) -> None:
         """The block's data is gone: no key, no tier; banks still list it until they drop it."""

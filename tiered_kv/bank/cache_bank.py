@@ -70,19 +70,33 @@ class _BankLayer(CacheLayerMixin):
         return self._bank.batch_size
 
 
+def _check_cost_sensitivity(value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"CacheBank(cost_sensitivity={value!r}): allowed a number from 0 (send this chat's "
+                         "blocks down first) to 1 (keep them hot longest), or None for scheduler.default_cost_sensitivity")
+
+
 class CacheBank(Stepping, ChatOps, Cache):
     def __init__(self, model, config: Config | dict | str | None = None, *, store: TierStore | None = None,
-                 model_id: str | None = None):
+                 model_id: str | None = None, cost_sensitivity: float | None = None):
         if store is not None and config is not None and load_config(config) != store.config:
             raise ValueError("CacheBank: `config` differs from the shared store's config; pass one or make them equal")
         is_model = isinstance(model, torch.nn.Module)
         if is_model and getattr(model, "config", None) is None:
             raise LayoutError("CacheBank(model): the module has no `.config`; pass a transformers model or its config")
+        _check_cost_sensitivity(cost_sensitivity)
         self.store = store if store is not None else TierStore(config)
         self._owns_store = store is None
         if self._owns_store:
             self.store.add_owner()
         self.config = self.store.config
+        # this chat's SLA, 0..1: high keeps its blocks hot longer and makes them the last victims
+        self.cost_sensitivity = (self.config.scheduler.default_cost_sensitivity if cost_sensitivity is None
+                                 else float(cost_sensitivity))
+        self._critical_path = {"demote_s": 0.0, "promote_s": 0.0}
+        self._turn_counted = False
         self._layout_no_dtype = layout_from_model_config(model.config if is_model else model, self.config.block_size)
         self.num_layers = self._layout_no_dtype.num_layers
         self.fingerprint = ModelFingerprint.of(model, self.config.block_size, model_id)
@@ -233,6 +247,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         if not self.store.is_closed:
             self._abandon_step()
             self.truncate(0)
+            self.store.forget_chat(self._step_owner)
         self._closed = True
         if self._owns_store:
             self.store.drop_owner()
@@ -266,4 +281,8 @@ class CacheBank(Stepping, ChatOps, Cache):
         counts = tier_counts([self.store.placements(row.table) for row in self._rows])
         out["bank_blocks"] = {name: counts.get(tier, 0) for tier, name in enumerate(TIER_NAMES)}
         out["seq_tokens"] = self._seq_len
+        out["store_critical_path"] = out["critical_path"]
+        cp = self._critical_path
+        out["critical_path"] = {"move_s": cp["demote_s"] + cp["promote_s"], **cp}
+        out["cost_sensitivity"] = self.cost_sensitivity
         return out

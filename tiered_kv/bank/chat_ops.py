@@ -15,6 +15,7 @@ from ..block_index import NO_TIER
 from ..identity import chain_keys
 from ..scheduler import HOT, TIER_NAMES
 from .rows import Row, common_prefix_length
+from .step import tier_counts
 
 
 class ChatOps:
@@ -45,7 +46,8 @@ class ChatOps:
         elif self._seq_len % block_size == 0:
             self._extend_from_store(self._rows[0], token_ids, limit)
         if self._rows:
-            self._promote_all()
+            self._promote_all(turn_start=True)
+            self._turn_counted = True  # the step that follows is this same turn
         return self._seq_len
 
     def _can_look_up(self) -> bool:
@@ -78,11 +80,14 @@ class ChatOps:
         self._structure_changed()
 
     def prefetch(self) -> None:
-        """Bring this chat's blocks up the tiers ahead of its next turn."""
+        """Bring this chat's blocks up the tiers ahead of its next turn (call it when the user
+        starts typing). Returns at once: the store's background mover moves them, most recent
+        first; a turn that begins meanwhile waits only for the blocks still on their way.
+        With `scheduler.background: false` the blocks come up before this returns."""
         self._check_open()
         self._abandon_step()
         if self._rows:
-            self._promote_all()
+            self.store.prefetch(self._step_owner, self._promotion_order([row.table for row in self._rows]))
 
     def offload(self, tier: str = "warm") -> dict:
         """Move this idle chat's blocks down to `tier` ("warm" or "cold"), freeing the tiers
@@ -97,21 +102,38 @@ class ChatOps:
             self.store.demote(blocks, TIER_NAMES.index(tier))
         return self.stats()["bank_blocks"]
 
-    def _promote_all(self) -> None:
-        self._promote_tables([row.table for row in self._rows])
+    def _promote_all(self, turn_start: bool = False) -> None:
+        self._promote_tables([row.table for row in self._rows], turn_start)
         self._drop_from_first_corrupt()
 
-    def _promote_tables(self, tables: list[list[int]]) -> None:
-        """Move these blocks up the tiers, most recent first (likeliest to be read again soon),
-        then check whatever stays cold against its checksums now rather than mid-forward."""
+    @staticmethod
+    def _promotion_order(tables: list[list[int]]) -> list[int]:
+        """Block ids most recent first (likeliest to be read again soon), each once."""
         longest = max(map(len, tables), default=0)
-        order = list(dict.fromkeys(table[i] for i in range(longest - 1, -1, -1) for table in tables if i < len(table)))
-        with self.store.lock:
-            tiers, _ = self.store.placements(order)
+        return list(dict.fromkeys(table[i] for i in range(longest - 1, -1, -1) for table in tables if i < len(table)))
+
+    def _promote_tables(self, tables: list[list[int]], turn_start: bool = False) -> None:
+        """Move these blocks up the tiers now, then check whatever stays cold against its
+        checksums rather than mid-forward. At a turn's start, first count where they were
+        (the store's per-tier hit rates)."""
+        order = self._promotion_order(tables)
+        store = self.store
+        with store.lock:
+            tiers, _ = store.placements(order)
+            if turn_start and len(order):
+                store.count_turn_start(tier_counts([(tiers, None)]))
             if (tiers == HOT).all():
                 return
-            self.store.promote(order)
-            self.store.verify(order)
+            before = store.thread_move_seconds()
+            store.promote(order, owner=self._step_owner)
+            store.verify(order)
+            self._add_critical_path(before)
+
+    def _add_critical_path(self, before: dict) -> None:
+        """Charge this bank the seconds its thread spent moving blocks since `before`."""
+        after = self.store.thread_move_seconds()
+        for direction in ("demote", "promote"):
+            self._critical_path[f"{direction}_s"] += after[direction] - before[direction]
 
     def _drop_from_first_corrupt(self) -> int | None:
         """Truncate every row before its first corrupt block. Returns that token position, or None."""

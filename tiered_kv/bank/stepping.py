@@ -110,9 +110,9 @@ class Stepping:
             self._make_room(step, store, block_size)
         finally:
             step.moves = store.stop_journal()
-        store.begin_step(self._step_owner, self._block_set)
-        step.placement_version = store.placement_version
         tables = [step.block_table(r, row.table) for r, row in enumerate(self._rows)]
+        store.begin_step(self._step_owner, self._block_set, tables, self.cost_sensitivity)
+        step.placement_version = store.placement_version
         step.placements = [self._placement_cache.lookup(store, r, table) for r, table in enumerate(tables)]
         for tiers, slots in step.placements:
             step.write_runs.append(store.map_range(tiers, slots, self._seq_len, step.num_tokens))
@@ -125,6 +125,19 @@ class Stepping:
 
     def _make_room(self, step: Step, store: TierStore, block_size: int) -> None:
         """Copy-on-write of a shared tail, blocks for the new tokens, history up on a new turn."""
+        new_turn = step.num_new_tokens > 1
+        if new_turn and not self._turn_counted and self._rows:  # a turn without attach(): count it here
+            history = [row.table for row in self._rows]
+            order = self._promotion_order(history)
+            store.count_turn_start(tier_counts([store.placements(order)]))
+        self._turn_counted = False
+        before = store.thread_move_seconds()
+        try:
+            self._make_room_now(step, store, block_size, new_turn)
+        finally:
+            self._add_critical_path(before)
+
+    def _make_room_now(self, step: Step, store: TierStore, block_size: int, new_turn: bool) -> None:
         if self._seq_len % block_size:  # a partly filled tail is about to change
             for r, row in enumerate(self._rows):
                 tail = row.table[-1]
@@ -138,7 +151,7 @@ class Stepping:
             step.new_blocks.append(new_ids[:count])
             self._block_set.update(new_ids[:count])
             del new_ids[:count]
-        if step.num_new_tokens > 1:  # a new turn: bring this chat's history up before reading it
+        if new_turn:  # bring this chat's history up before reading it
             self._promote_tables([step.block_table(r, row.table) for r, row in enumerate(self._rows)])
 
     def _commit_step(self) -> None:

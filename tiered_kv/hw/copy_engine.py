@@ -7,6 +7,8 @@ the store picks one at start.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -24,6 +26,13 @@ class CpuCopyEngine:
         """Called after host memory was handed to an asynchronous copy to the device on the
         compute stream, before the host may overwrite that memory (a staging buffer refilled,
         a warm slot reused)."""
+
+    def stream_context(self):
+        """Where a background thread issues its copies (its own stream on GPU)."""
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        """Wait until every copy this engine issued is complete."""
 
 
 class CudaCopyEngine:
@@ -52,6 +61,15 @@ class CudaCopyEngine:
     def before_device_use(self) -> None:
         if self._has_pending:
             torch.cuda.current_stream(self.device).wait_event(self._pending)
+
+    def stream_context(self):
+        # copies issued inside (tier read/write helpers included) run on the side stream, after
+        # whatever the default (compute) stream queued before them
+        self.side_stream.wait_stream(torch.cuda.default_stream(self.device))
+        return torch.cuda.stream(self.side_stream)
+
+    def synchronize(self) -> None:
+        self.side_stream.synchronize()
 
     def after_host_to_device(self) -> None:
         # the compute stream's non_blocking copies out of pinned host memory must finish first

@@ -1,43 +1,101 @@
 """MemScheduler: decides where blocks go and returns a Plan. Ids only, no torch.
 
-It reads the BlockIndex (tiers, recency orders, references) and the free slot count of each
-tier, simulates the moves, and returns a Plan the TierStore applies as a unit under the same
-lock. The simulation walks each tier's recency order lazily from the least recently used end,
-so a plan costs O(moves + blocks skipped), never O(blocks in the store).
+It reads the BlockIndex (tiers, recency orders, references), the AccessLog (which store steps
+read which blocks) and the free slot count of each tier, simulates the moves, and returns a Plan
+the TierStore applies as a unit under the same lock. Nothing is applied when a plan is
+infeasible (None is returned), so a request that cannot fit leaves the store untouched.
 
-Policy "lru": the least recently used movable block of a full tier moves one tier down (a block
+Victims. When a tier is full, its movable block of least *value* moves one tier down (a block
 arriving in a tier counts as the most recent there); where nothing can go down, the least
-recently used unreferenced block of the tier is dropped. Blocks the caller protects and blocks
-pinned by a running step are never moved. Nothing is applied when a plan is infeasible (None is
-returned), so a request that cannot fit leaves the store untouched.
+valuable unreferenced block of the tier is dropped. A block's value under each policy:
+
+  lru   the last store step that read it or brought it into its tier
+  fifo  the store step it entered its current tier
+  lfu   how many store steps read it
+  ali   how many of the last `ali_window` store steps read it (ALI = that / ali_window)
+
+plus a cost-sensitivity bonus of `cs_weight * CS * ali_window` (in the policy's own unit), so a
+high-CS chat's blocks go last and a low-CS chat's first. Ties keep least-recently-used order.
+Blocks the caller protects and blocks pinned by a running step (or in flight in a background
+move) are never moved.
+
+Background plans (`plan_background`, carried out by the store's mover off the critical path):
+demote by policy when a tier is fuller than its high watermark, down to its low one; demote
+chats idle for `idle_steps`; under `ali`, bring blocks whose ALI says hot (> ali_hot) or warm
+(> ali_warm) up while there is room below the high watermark.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import numpy as np
+
 from ..block_index import NO_TIER, NUM_TIERS, BlockIndex
+from ..config import ALLOWED_POLICIES, SchedulerConfig
+from .access_log import AccessLog
 from .plan import COLD, DROPPED, HOT, WARM, Move, Plan
 
-ALLOWED_POLICIES = ("lru",)
+
+@dataclass(frozen=True)
+class Watermarks:
+    """Per tier, in blocks: above `high` the mover demotes down to `low`."""
+
+    high_blocks: tuple[int, int, int]
+    low_blocks: tuple[int, int, int]
+
+
+class _Values:
+    """A policy's value of blocks (higher = keep), computed from the index and the access log."""
+
+    def __init__(self, scheduler: "MemScheduler", index: BlockIndex):
+        self.scheduler, self.index, self.log = scheduler, index, scheduler.access_log
+
+    def of(self, ids: np.ndarray) -> np.ndarray:
+        policy, log, window = self.scheduler.policy, self.log, self.log.window_steps
+        if policy == "lru":
+            base = np.maximum(log.last_read_step(ids), np.asarray(self.index.arrival_steps(ids), dtype=np.int64))
+        elif policy == "fifo":
+            base = np.asarray(self.index.arrival_steps(ids), dtype=np.int64)
+        elif policy == "lfu":
+            base = log.num_reads(ids)
+        else:  # ali
+            base = log.window_reads(ids)
+        return base + self.scheduler.cs_weight * window * log.cost_sensitivity(ids)
+
+    def order(self, tier: int) -> list[int]:
+        """Blocks of `tier`, least valuable first (ties: least recently used first)."""
+        ids = np.fromiter(self.index.recency(tier), dtype=np.int64, count=self.index.count_in(tier))
+        if not len(ids):
+            return []
+        return ids[np.argsort(self.of(ids), kind="stable")].tolist()
+
+    def unreferenced_order(self, tier: int) -> list[int]:
+        ids = np.fromiter(self.index.unreferenced(tier), dtype=np.int64)
+        if not len(ids):
+            return []
+        return ids[np.argsort(self.of(ids), kind="stable")].tolist()
 
 
 class _Simulation:
     """Free-slot counts and per-tier victim order as the plan's moves so far would leave them."""
 
     def __init__(self, index: BlockIndex, free_slots: list[int], capacities: list[int],
-                 is_movable: Callable[[int], bool]):
+                 is_movable: Callable[[int], bool], values: _Values):
         self.index = index
+        self.values = values
         self.free = list(free_slots)
         self.capacities = capacities
         self.is_movable = is_movable
         self.moves: list[Move] = []
         self.tier_of: dict[int, int] = {}  # blocks this plan moved, and where to
-        self._originals = [iter(index.recency(t)) for t in range(NUM_TIERS)]
+        # victim orders, computed the first time a tier needs a victim (most plans need none)
+        self._originals: list[Iterable[int] | None] = [None] * NUM_TIERS
         self._peeked: list[int | None] = [None] * NUM_TIERS
         self._arrived = [deque() for _ in range(NUM_TIERS)]  # moved in by this plan, oldest first
-        self._droppable = [iter(index.unreferenced(t)) for t in range(NUM_TIERS)]
+        self._droppable: list[Iterable[int] | None] = [None] * NUM_TIERS
 
     def tier(self, block_id: int) -> int:
         if block_id in self.tier_of:
@@ -52,6 +110,8 @@ class _Simulation:
         peeked = self._peeked[tier]
         if peeked is not None and self._still_here(peeked, tier):
             return peeked
+        if self._originals[tier] is None:
+            self._originals[tier] = iter(self.values.order(tier))
         for block_id in self._originals[tier]:
             if block_id not in self.tier_of and self.is_movable(block_id):
                 self._peeked[tier] = block_id
@@ -63,6 +123,8 @@ class _Simulation:
         return arrived[0] if arrived else None
 
     def _drop_candidate(self, tier: int) -> int | None:
+        if self._droppable[tier] is None:
+            self._droppable[tier] = iter(self.values.unreferenced_order(tier))
         for block_id in self._droppable[tier]:
             if block_id not in self.tier_of and self.is_movable(block_id):
                 return block_id
@@ -111,10 +173,34 @@ def _movable(protect: Iterable[int], is_pinned: Callable[[int], bool] | None) ->
 
 
 class MemScheduler:
-    def __init__(self, policy: str = "lru"):
-        if policy not in ALLOWED_POLICIES:
-            raise ValueError(f"scheduler.policy {policy!r} is not known; allowed: {ALLOWED_POLICIES}")
-        self.policy = policy
+    """Plans for one store. `settings` is a SchedulerConfig (or just a policy name, the rest
+    defaulted); `access_log` is the store's (a private empty one when not given)."""
+
+    def __init__(self, settings: SchedulerConfig | str = "lru", access_log: AccessLog | None = None):
+        if isinstance(settings, str):
+            if settings not in ALLOWED_POLICIES:
+                raise ValueError(f"scheduler.policy {settings!r} is not known; allowed: {ALLOWED_POLICIES}")
+            settings = SchedulerConfig(policy=settings)
+        self.settings = settings
+        self.policy = settings.policy
+        self.cs_weight = settings.cs_weight
+        self.access_log = access_log if access_log is not None else AccessLog(
+            settings.ali_window, settings.default_cost_sensitivity)
+
+    def _simulation(self, index, free_slots, capacities, movable) -> _Simulation:
+        return _Simulation(index, free_slots, capacities, movable, _Values(self, index))
+
+    # ---- signals ---------------------------------------------------------------------------
+    def scores(self, block_ids) -> np.ndarray:
+        """ALI plus the CS bonus (`cs_weight * CS`) of each block: what its target tier is read from."""
+        ids = np.asarray(list(block_ids), dtype=np.int64)
+        log = self.access_log
+        return log.ali(ids) + self.cs_weight * log.cost_sensitivity(ids)
+
+    def target_tiers(self, block_ids) -> np.ndarray:
+        """Where ALI says each block belongs: hot above ali_hot, warm above ali_warm, else cold."""
+        scores = self.scores(block_ids)
+        return np.where(scores > self.settings.ali_hot, HOT, np.where(scores > self.settings.ali_warm, WARM, COLD))
 
     def plan_new_blocks(
         self,
@@ -128,7 +214,7 @@ class MemScheduler:
         """Place `num_new_blocks` new blocks as high as possible, pushing LRU blocks down.
 
         Returns None when all tiers together cannot hold them (nothing is to be applied)."""
-        sim = _Simulation(index, free_slots, capacities, _movable(protect, is_pinned))
+        sim = self._simulation(index, free_slots, capacities, _movable(protect, is_pinned))
         tiers = [t for t in (HOT, WARM, COLD) if capacities[t] > 0]
         placed: list[int] = []
         for _ in range(num_new_blocks):
@@ -153,7 +239,7 @@ class MemScheduler:
         allows, moving only other blocks out of the way. Blocks that cannot reach hot leave cold
         for warm when warm has room. A block pinned by a running step (a prefix another chat
         shares) stays where that step reads it."""
-        sim = _Simulation(index, free_slots, capacities, _movable(frozenset(block_ids), is_pinned))
+        sim = self._simulation(index, free_slots, capacities, _movable(frozenset(block_ids), is_pinned))
         for block_id in block_ids:
             tier = sim.tier(block_id)
             if tier == HOT or tier == NO_TIER:  # already hot, or corrupt (no data to move)
@@ -180,7 +266,7 @@ class MemScheduler:
         `dst_tier` runs out of room the rest stay where they are (a partial plan, never an error)."""
         if capacities[dst_tier] == 0:
             return Plan()
-        sim = _Simulation(index, free_slots, capacities, _movable(frozenset(block_ids), is_pinned))
+        sim = self._simulation(index, free_slots, capacities, _movable(frozenset(block_ids), is_pinned))
         for block_id in block_ids:
             tier = sim.tier(block_id)
             if tier == NO_TIER or tier >= dst_tier or (is_pinned is not None and is_pinned(block_id)):
@@ -189,3 +275,98 @@ class MemScheduler:
                 break
             sim.move(block_id, tier, dst_tier)
         return Plan(moves=sim.moves)
+
+    def plan_background(
+        self,
+        index: BlockIndex,
+        free_slots: list[int],
+        capacities: list[int],
+        watermarks: Watermarks,
+        is_pinned: Callable[[int], bool] | None = None,
+        max_moves: int = 64,
+    ) -> Plan:
+        """Optional moves, for the mover to carry out off the critical path (at most `max_moves`):
+
+        1. a tier fuller than its high watermark demotes its least valuable blocks down to its
+           low watermark (warm first, so hot's victims find room there). A block whose score
+           names its tier or a higher one stays (a working set it would only fetch back); under `ali` a
+           victim goes straight to the tier its score names when that is lower. Unreferenced
+           cached blocks with nowhere to go are dropped.
+        2. hot blocks unread for `idle_steps` store steps (times 1 + CS) go to warm.
+        3. under `ali`, warm and cold blocks whose score names a higher tier come up while that
+           tier stays under its high watermark (most valuable first).
+        Never moves pinned blocks; never cascades (each move needs a free slot where it goes).
+        """
+        sim = self._simulation(index, free_slots, capacities, _movable(frozenset(), is_pinned))
+        self._demote_over_watermarks(sim, index, capacities, watermarks, max_moves)
+        self._demote_idle(sim, index, capacities, max_moves)
+        if self.policy == "ali":
+            self._promote_by_score(sim, index, capacities, watermarks, max_moves)
+        return Plan(moves=sim.moves)
+
+    def _lower_tier_with_room(self, sim: _Simulation, capacities: list[int], below: int) -> int | None:
+        for tier in range(below, NUM_TIERS):
+            if capacities[tier] > 0 and sim.free[tier] > 0:
+                return tier
+        return None
+
+    def _demote_over_watermarks(self, sim, index, capacities, watermarks, max_moves) -> None:
+        for tier in (WARM, HOT):
+            used = capacities[tier] - sim.free[tier]
+            if capacities[tier] == 0 or used <= watermarks.high_blocks[tier]:
+                continue
+            order = sim.values.order(tier)
+            targets = dict(zip(order, self.target_tiers(order).tolist())) if order else {}
+            for block_id in order:
+                if used <= watermarks.low_blocks[tier] or len(sim.moves) >= max_moves:
+                    break
+                if not sim.is_movable(block_id) or sim.tier(block_id) != tier:
+                    continue
+                target = targets[block_id]
+                if target <= tier:
+                    continue  # its score says it belongs here: demoting it early would only bring it back
+                lowest = max(tier + 1, target) if self.policy == "ali" else tier + 1
+                dst = self._lower_tier_with_room(sim, capacities, lowest) if lowest < NUM_TIERS else None
+                if dst is None and lowest > tier + 1:
+                    dst = self._lower_tier_with_room(sim, capacities, tier + 1)
+                if dst is not None:
+                    sim.move(block_id, tier, dst)
+                elif index.get(block_id).ref_count == 0:
+                    sim._record(Move(block_id, tier, DROPPED))
+                    sim.free[tier] += 1
+                else:
+                    continue
+                used -= 1
+
+    def _demote_idle(self, sim, index, capacities, max_moves) -> None:
+        idle_steps = self.settings.idle_steps
+        if idle_steps == 0 or capacities[WARM] == 0 or index.count_in(HOT) == 0:
+            return
+        ids = np.fromiter(index.recency(HOT), dtype=np.int64, count=index.count_in(HOT))
+        log = self.access_log
+        last = np.maximum(log.last_read_step(ids), np.asarray(index.arrival_steps(ids), dtype=np.int64))
+        limit = idle_steps * (1.0 + log.cost_sensitivity(ids))
+        for block_id in ids[(log.now - last) > limit].tolist():
+            if len(sim.moves) >= max_moves or sim.free[WARM] == 0:
+                return
+            if sim.is_movable(block_id) and sim.tier(block_id) == HOT:
+                sim.move(block_id, HOT, WARM)
+
+    def _promote_by_score(self, sim, index, capacities, watermarks, max_moves) -> None:
+        candidates = [b for tier in (WARM, COLD) for b in index.recency(tier)]
+        if not candidates:
+            return
+        scores = self.scores(candidates)
+        targets = self.target_tiers(candidates)
+        for i in np.argsort(-scores, kind="stable").tolist():
+            if len(sim.moves) >= max_moves:
+                return
+            block_id, target = candidates[i], int(targets[i])
+            tier = sim.tier(block_id)
+            if target >= tier or not sim.is_movable(block_id):
+                continue
+            for dst in range(target, tier):
+                used = capacities[dst] - sim.free[dst]
+                if capacities[dst] > 0 and sim.free[dst] > 0 and used + 1 <= watermarks.high_blocks[dst]:
+                    sim.move(block_id, tier, dst)
+                    break

@@ -14,6 +14,7 @@ class Move:
     block_id: int
     src_tier: int
     dst_tier: int  # a tier index, or DROPPED
+    dst_slot: int | None = None  # a particular free slot of dst_tier (compaction), else any
 
     @property
     def is_eviction(self) -> bool:
@@ -21,6 +22,8 @@ class Move:
 
     def __str__(self) -> str:
         dst = "dropped" if self.is_eviction else TIER_NAMES[self.dst_tier]
+        if self.dst_slot is not None:
+            dst += f" slot {self.dst_slot}"
         return f"block {self.block_id}: {TIER_NAMES[self.src_tier]} -> {dst}"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -41,8 +42,36 @@ class PlanExecutor:
         self.is_pinned = is_pinned
         self.quarantined: list[tuple[int, int, int]] = []  # (block, tier, slot) of pinned corrupt blocks
         self.bytes_moved = {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
-        self._journals: dict[int, list[Move]] = {}
-        self._reader: ThreadPoolExecutor | None = None  # reads cold chunks ahead (see _Reads)  # thread id -> moves applied while it records
+        self._journals: dict[int, list[Move]] = {}  # thread id -> moves applied while it records
+        self._reader: ThreadPoolExecutor | None = None  # reads cold chunks ahead (see _Reads)
+        # what moved: blocks per direction, bytes on demand (a caller waited) vs in the background,
+        # and seconds callers spent moving (store-wide, and per thread for a bank's own figures)
+        self.num_moves = {"promotions": 0, "demotions": 0, "evictions": 0}
+        self.bytes_on_demand = 0
+        self.bytes_background = 0
+        self.num_relocations = 0  # compaction moves within the hot tier
+        self.move_s = {"demote": 0.0, "promote": 0.0}
+        self._thread_move_s = threading.local()
+
+    def thread_move_seconds(self) -> dict:
+        """Seconds this thread has spent in demand moves so far (demote, promote)."""
+        totals = getattr(self._thread_move_s, "totals", None)
+        if totals is None:
+            totals = self._thread_move_s.totals = {"demote": 0.0, "promote": 0.0}
+        return totals
+
+    def _timed(self, direction: str, start_s: float) -> None:
+        elapsed = time.perf_counter() - start_s
+        self.move_s[direction] += elapsed
+        self.thread_move_seconds()[direction] += elapsed
+
+    def _count_move(self, src_tier: int, dst_tier: int) -> None:
+        if dst_tier == DROPPED:
+            self.num_moves["evictions"] += 1
+        elif dst_tier > src_tier:
+            self.num_moves["demotions"] += 1
+        elif dst_tier < src_tier:
+            self.num_moves["promotions"] += 1
 
     # ---- a journal of moves, so a failed step can put blocks back ------------------------------
     def start_journal(self) -> None:
@@ -63,31 +92,59 @@ class PlanExecutor:
         corrupt: list[int] = []
         moves = list(plan.moves)
         while moves:
+            start_s = time.perf_counter()
             batch = self._take_cold_batch(moves) if batch_cold_moves else []
             if batch:
                 corrupt += self._apply_batch(batch)
+                self._timed("demote" if batch[0].dst_tier > batch[0].src_tier else "promote", start_s)
                 continue
             move = moves.pop(0)
             entry = self.index.get(move.block_id)
             if entry.tier != move.src_tier:
                 raise RuntimeError(f"plan is stale: {move}, but block {move.block_id} is in tier {entry.tier}")
             if move.dst_tier == DROPPED:
-                self.free_block(move.block_id)
+                self.evict(move.block_id)
                 continue
-            dst_slot = self._allocate_slot(move.dst_tier, move)
-            try:
-                self.copy_data(move.src_tier, entry.slot, move.dst_tier, dst_slot)
-            except CorruptBlockError:
-                self.free_slot(move.dst_tier, dst_slot)
-                self.mark_corrupt(move.block_id)  # frees its source slot, as the plan expects
-                corrupt.append(move.block_id)
-                continue
-            self.free_slot(move.src_tier, entry.slot)
-            self.index.move(move.block_id, move.dst_tier, dst_slot)
-            self._record(move.block_id, move.src_tier, move.dst_tier)
-            self.persist_if_published(move.block_id)
+            self._apply_one(move, entry, corrupt)
+            self._timed("demote" if move.dst_tier > move.src_tier else "promote", start_s)
         self.copy_engine.before_device_use()
         return corrupt  # durability is the cold tier's writer thread's: nothing waits for it here
+
+    def _apply_one(self, move: Move, entry, corrupt: list[int]) -> None:
+        dst_slot = self._allocate_slot(move.dst_tier, move)
+        try:
+            self.copy_data(move.src_tier, entry.slot, move.dst_tier, dst_slot)
+        except CorruptBlockError:
+            self.free_slot(move.dst_tier, dst_slot)
+            self.mark_corrupt(move.block_id)  # frees its source slot, as the plan expects
+            corrupt.append(move.block_id)
+            return
+        self.free_slot(move.src_tier, entry.slot)
+        self.index.move(move.block_id, move.dst_tier, dst_slot)
+        self._count_move(move.src_tier, move.dst_tier)
+        self._record(move.block_id, move.src_tier, move.dst_tier)
+        self.persist_if_published(move.block_id)
+
+    def evict(self, block_id: int) -> None:
+        """Drop an unreferenced cached block (its data is discarded)."""
+        self.free_block(block_id)
+        self.num_moves["evictions"] += 1
+
+    def commit_background_move(self, block_id: int, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
+        """A background copy landed in `dst_slot`: the block lives there from now on (a move
+        within one tier is compaction: the block keeps its place in the tier's orders)."""
+        self.free_slot(src_tier, src_slot)
+        if src_tier == dst_tier:
+            self.index.relocate(block_id, dst_slot)
+            self.num_relocations += 1
+            return
+        self.index.move(block_id, dst_tier, dst_slot)
+        self._count_move(src_tier, dst_tier)
+        self.bytes_moved[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += self.block_bytes
+        self.bytes_background += self.block_bytes
+        if HOT in (src_tier, dst_tier):
+            self.link_monitor.record(self.block_bytes)
+        self.persist_if_published(block_id)
 
     def _allocate_slot(self, tier: int, move) -> int:
         allocated = self.pools[tier].allocate(1)
@@ -148,6 +205,7 @@ class PlanExecutor:
                 for move, src_slot, dst_slot in zip(chunk, slots[k], dst_slots):
                     self.free_slot(src_tier, src_slot)
                     self.index.move(move.block_id, dst_tier, dst_slot)
+                    self._count_move(src_tier, dst_tier)
                     self._record(move.block_id, src_tier, dst_tier)
                     self.persist_if_published(move.block_id)
                 done_chunks = k + 1
@@ -181,6 +239,7 @@ class PlanExecutor:
 
     def _count(self, src_tier: int, dst_tier: int, num_bytes: int) -> None:
         self.bytes_moved[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += num_bytes
+        self.bytes_on_demand += num_bytes
         if HOT in (src_tier, dst_tier):
             self.link_monitor.record(num_bytes)
 

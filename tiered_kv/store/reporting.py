@@ -33,5 +33,39 @@ class Reporting:
                 tiers[name] = {"used_blocks": pool.num_used, "capacity_blocks": pool.num_slots,
                                "used_bytes": pool.num_used * self.layout.block_bytes,
                                "capacity_bytes": pool.num_slots * self.layout.block_bytes, "device": device}
-            return {"tiers": tiers, "hits": dict(self.hits), "misses": self.misses,
-                    "bytes_moved": dict(self.bytes_moved), "link_saturation": self.link_monitor.saturation()}
+            out = {"tiers": tiers, "hits": dict(self.hits), "misses": self.misses,
+                   "bytes_moved": dict(self.bytes_moved), "link_saturation": self.link_monitor.saturation()}
+            out.update(self._scheduler_stats())
+            return out
+
+    def _scheduler_stats(self) -> dict:
+        """Hit rates per tier, moves by direction, background vs on-demand bytes, critical-path
+        seconds, and the scheduler's current view (ALI of the live chats, BS, CS)."""
+        turn_blocks = self.turn_blocks
+        executor = self._executor
+        moves = dict(executor.num_moves) if executor is not None else {"promotions": 0, "demotions": 0, "evictions": 0}
+        move_s = dict(executor.move_s) if executor is not None else {"demote": 0.0, "promote": 0.0}
+        mover = self._mover
+        log = self.access_log
+        return {
+            "hit_rate": {name: (self.turn_hits[name] / turn_blocks if turn_blocks else None) for name in TIER_NAMES},
+            "turn_blocks": turn_blocks,
+            "moves": moves,
+            "bytes_on_demand": executor.bytes_on_demand if executor is not None else 0,
+            "bytes_background": executor.bytes_background if executor is not None else 0,
+            "critical_path": {"move_s": move_s["demote"] + move_s["promote"], "demote_s": move_s["demote"],
+                              "promote_s": move_s["promote"]},
+            "scheduler": {
+                "policy": self.scheduler.policy,
+                "store_steps": log.now,
+                "ali_window_steps": log.window_steps,
+                "chats": {owner: {"ali": log.chat_ali(owner), "cost_sensitivity": chat.cost_sensitivity,
+                                  "last_step": chat.last_step} for owner, chat in log.chats.items()},
+                "link_saturation": self.link_monitor.saturation(),
+                "link_monitor": self.link_monitor.name,
+                "bs_threshold": self.config.scheduler.bs_threshold,
+                "background": mover is not None,
+                "background_batches": mover.num_batches if mover is not None else 0,
+                "background_cancelled": mover.num_cancelled if mover is not None else 0,
+            },
+        }

@@ -17,6 +17,13 @@ from .token_map import TierRun, raise_if_corrupt
 
 class StepAccess:
     def is_pinned(self, block_id: int) -> bool:
+        """A running step uses the block, or a background move has it in flight: plans leave it."""
+        mover = self._mover
+        if mover is not None and block_id in mover.in_flight:
+            return True
+        return self.is_pinned_by_step(block_id)
+
+    def is_pinned_by_step(self, block_id: int) -> bool:
         return any(block_id in blocks for blocks in self._pinned_by_step.values())
 
     def release_later(self, block_ids: list[int], step_block_ids: list[int], step_owner: int) -> None:
@@ -30,6 +37,9 @@ class StepAccess:
             while self._deferred and not self._closed:
                 block_ids, step_owner = self._deferred.popleft()
                 self._pinned_by_step.pop(step_owner, None)
+                self.access_log.forget_chat(step_owner)
+                if self._mover is not None:
+                    self._mover.drop_requests(step_owner)
                 self.release(block_ids)
                 self._executor.free_quarantined()
                 self._step_ended.notify_all()
@@ -72,10 +82,18 @@ class StepAccess:
             self.mapper.write_layer(layer, runs, kv)
 
     # ---- steps -----------------------------------------------------------------------------
-    def begin_step(self, owner: int, block_ids: set[int]) -> None:
-        """Pin `block_ids` for a forward pass of `owner` until end_step(owner)."""
+    def begin_step(self, owner: int, block_ids: set[int], tables: list[list[int]] | None = None,
+                   cost_sensitivity: float | None = None) -> None:
+        """Pin `block_ids` for a forward pass of `owner` until end_step(owner), and count the
+        step in the access log (the step reads every one of them; `tables` are the chat's
+        block ids per row in token order). Background moves of these blocks still in flight
+        are cancelled: they stay where this step maps them."""
         with self.lock:
             self._pinned_by_step[owner] = block_ids
+            if self._mover is not None:
+                self._mover.cancel(block_ids)
+            self.access_log.record_step(owner, block_ids, tables, cost_sensitivity)
+            self.index.clock = self.access_log.now
 
     def end_step(self, owner: int, read_host_tiers: bool = False) -> None:
         """Unpin a step's blocks (it ended or was rolled back). Cold records become durable off
@@ -87,6 +105,8 @@ class StepAccess:
             if read_host_tiers:
                 self.copy_engine.after_host_to_device()  # warm slots may be reused by the host next
             self._step_ended.notify_all()
+            if self._mover is not None:
+                self._mover.wake()
 
     def touch(self, block_ids) -> None:
         with self.lock:
@@ -96,6 +116,13 @@ class StepAccess:
         with self.lock:
             for tier, count in tier_counts.items():
                 self.hits[TIER_NAMES[tier]] += count
+
+    def count_turn_start(self, tier_counts: dict[int, int]) -> None:
+        """A turn began needing these blocks, found in these tiers (the hit-rate figures)."""
+        with self.lock:
+            for tier, count in tier_counts.items():
+                self.turn_hits[TIER_NAMES[tier]] += count
+                self.turn_blocks += count
 
     # ---- undoing a failed step's moves -------------------------------------------------------
     def start_journal(self) -> None:

@@ -18,6 +18,7 @@ only touched under the lock. A store is not copied by `copy.deepcopy`: copies sh
 from __future__ import annotations
 
 import atexit
+import math
 import logging
 import threading
 import weakref
@@ -36,10 +37,13 @@ from ..hw.devices import resolve_device, resolve_pinned
 from ..hw.link_monitor import make_link_monitor
 from ..pool import SlotPool
 from ..scheduler import COLD, HOT, TIER_NAMES, WARM, MemScheduler
+from ..scheduler.access_log import AccessLog
+from ..scheduler.mem_scheduler import Watermarks
 from ..tiers import ColdTier, HotTier, WarmTier
 from ..tiers.cold_files import ColdDirectory, open_cold_directory
 from .durability import Durability
 from .executor import PlanExecutor
+from .mover import Mover
 from .reporting import Reporting
 from .step_access import StepAccess
 from .token_map import TierRun, TokenMapper
@@ -76,7 +80,11 @@ class TierStore(StepAccess, Durability, Reporting):
         self.tiers: list = []
         self.pools: list[SlotPool] = []
         self.index = BlockIndex()
-        self.scheduler = MemScheduler(self.config.scheduler.policy)
+        settings = self.config.scheduler
+        self.access_log = AccessLog(settings.ali_window, settings.default_cost_sensitivity)
+        self.scheduler = MemScheduler(settings, self.access_log)
+        self.watermarks: Watermarks | None = None
+        self._mover: Mover | None = None
         self.copy_engine = make_copy_engine(self.device)
         self.link_monitor = make_link_monitor(self.device)
         self._executor: PlanExecutor | None = None
@@ -85,6 +93,8 @@ class TierStore(StepAccess, Durability, Reporting):
         self._deferred: deque = deque()  # (block ids, step owner) of banks the GC collected
         self.hits = {name: 0 for name in TIER_NAMES}
         self.misses = 0
+        self.turn_hits = {name: 0 for name in TIER_NAMES}  # blocks a turn needed, by tier when it began
+        self.turn_blocks = 0
         self._closed = False
         self._num_owners = 0  # banks that created this store and close it together
         self._cold_directory: ColdDirectory | None = None
@@ -154,6 +164,12 @@ class TierStore(StepAccess, Durability, Reporting):
                                       layout.block_bytes, self.is_pinned)
         self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.copy_engine)
         self.layout, self.dtype = layout, dtype
+        tier_cfgs = (cfg.hot, cfg.warm, cfg.cold)
+        self.watermarks = Watermarks(
+            high_blocks=tuple(math.ceil(c.high_watermark * n) for c, n in zip(tier_cfgs, capacities)),
+            low_blocks=tuple(int(c.low_watermark * n) for c, n in zip(tier_cfgs, capacities)))
+        if cfg.scheduler.background:
+            self._mover = Mover(self, cfg.scheduler.mover_interval_s)
 
     @property
     def capacities(self) -> list[int]:
@@ -260,13 +276,59 @@ class TierStore(StepAccess, Durability, Reporting):
             return entry.tier, entry.ref_count, entry.key
 
     # ---- placement -------------------------------------------------------------------------
-    def promote(self, block_ids: list[int]) -> list[int]:
-        """Bring blocks up (hot first). Returns ids found corrupt on the way (never served)."""
+    def promote(self, block_ids: list[int], owner: int | None = None) -> list[int]:
+        """Bring blocks up (hot first), now: the caller waits. Returns ids found corrupt on the way
+        (never served). `owner`'s pending background prefetch is taken over by this call: blocks
+        already in flight are waited for, the rest planned here."""
         with self.lock:
             self.drain_deferred()
+            if self._mover is not None:
+                if owner is not None:
+                    self._mover.drop_requests(owner)
+                if self._mover.in_flight:
+                    start_s = time.perf_counter()
+                    self._mover.wait_for(block_ids)
+                    self._executor._timed("promote", start_s)  # the caller waited for the blocks to land
             plan = self.scheduler.plan_promotion(block_ids, self.index, self.free_slots(), self.capacities,
                                                  self.is_pinned)
             return self._executor.apply(plan)
+
+    def prefetch(self, owner: int, block_ids: list[int]) -> None:
+        """Bring `owner`'s blocks up in the background (most wanted first) and return at once;
+        without a mover (scheduler.background false), promote them now."""
+        with self.lock:
+            self._check_open()
+            if self._mover is None:
+                self.promote(block_ids, owner)
+            else:
+                self._mover.request_prefetch(owner, block_ids)
+
+    def wait_for_background(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the mover has no prefetch request and no move in flight (for tests and
+        benchmarks that need a settled store). True when settled within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                mover = self._mover
+                if mover is None or (not mover.pending_requests and not mover.in_flight):
+                    return True
+                mover.wake()
+            time.sleep(0.005)
+        return False
+
+    def thread_move_seconds(self) -> dict:
+        """Seconds the calling thread has spent waiting for demand moves (demote, promote)."""
+        with self.lock:
+            if self._executor is None:
+                return {"demote": 0.0, "promote": 0.0}
+            return dict(self._executor.thread_move_seconds())
+
+    def forget_chat(self, owner: int) -> None:
+        """A bank closed: its access history no longer describes a live chat."""
+        with self.lock:
+            self.access_log.forget_chat(owner)
+            if self._mover is not None:
+                self._mover.drop_requests(owner)
 
     def demote(self, block_ids: list[int], dst_tier: int) -> list[int]:
         """Move blocks down to `dst_tier` (WARM or COLD) as far as room allows."""
@@ -325,16 +387,22 @@ class TierStore(StepAccess, Durability, Reporting):
         """A bank that owns this store closed; the last one closes the store."""
         with self.lock:
             self._num_owners -= 1
-            if self._num_owners <= 0:
-                self.close()
+            last = self._num_owners <= 0
+        if last:
+            self.close()
 
     def close(self) -> None:
+        mover = self._mover
+        if mover is not None:
+            # its batch in progress needs the lock to commit: wait for it unless we hold the lock
+            mover.stop(wait=not self.lock._is_owned())
         with self.lock:
             if self._closed:
                 return
             self._drain_if_bound()
             self._persist_before_close()
             self._closed = True
+            self.link_monitor.close()
             if self._executor is not None:
                 self._executor.close()
             for tier in self.tiers:

@@ -1,0 +1,283 @@
+"""Placement policies (lru, lfu, fifo, ali) and the signals behind them: exact plans on small pools.
+
+No torch: an AccessLog records which blocks each store step read, a BlockIndex says where they
+are, and every case asserts the whole move list the MemScheduler returns.
+"""
+import numpy as np
+import pytest
+
+from tiered_kv.block_index import BlockIndex
+from tiered_kv.config import ConfigError, SchedulerConfig, load_config
+from tiered_kv.scheduler import COLD, DROPPED, HOT, WARM, MemScheduler, Move
+from tiered_kv.scheduler.access_log import AccessLog
+from tiered_kv.scheduler.mem_scheduler import Watermarks
+
+
+def scheduler(policy: str, window: int = 10, **settings) -> MemScheduler:
+    cfg = SchedulerConfig(policy=policy, ali_window=window, **settings)
+    return MemScheduler(cfg, AccessLog(cfg.ali_window, cfg.default_cost_sensitivity))
+
+
+def fill(index: BlockIndex, tier: int, num_blocks: int, clock: int = 0) -> list[int]:
+    index.clock = clock
+    return [index.add(tier, slot) for slot in range(num_blocks)]
+
+
+def step(sched: MemScheduler, index: BlockIndex, owner: int, block_ids, cs: float | None = None) -> None:
+    """One store step of chat `owner` reading `block_ids` (as TierStore.begin_step records it)."""
+    sched.access_log.record_step(owner, set(block_ids), None, cs)
+    index.touch(block_ids)
+    index.clock = sched.access_log.now
+
+
+def victims(sched: MemScheduler, index: BlockIndex, capacities, num_new: int = 1):
+    free = [c - index.count_in(t) for t, c in enumerate(capacities)]
+    return sched.plan_new_blocks(num_new, index, free, capacities).moves
+
+
+# --- the access log ------------------------------------------------------------------------------
+
+def test_ali_is_the_share_of_the_window_that_read_the_block():
+    log = AccessLog(window_steps=4)
+    log.record_step(1, {0, 1})
+    log.record_step(2, {2})
+    log.record_step(1, {0, 1})
+    assert log.steps_in_window == 3  # fewer steps than the window so far: their share
+    assert log.ali([0, 1, 2, 3]).tolist() == pytest.approx([2 / 3, 2 / 3, 1 / 3, 0.0])
+    log.record_step(2, {2})
+    log.record_step(2, {2})  # the first step (0, 1) leaves the window
+    assert log.window_reads([0, 1, 2]).tolist() == [1, 1, 3]
+    assert log.ali([0, 1, 2]).tolist() == pytest.approx([0.25, 0.25, 0.75])
+    assert log.num_reads([0, 1, 2]).tolist() == [2, 2, 3]
+    assert log.last_read_step([0, 2, 99]).tolist() == [2, 4, -1]
+    assert log.chat_ali(1) == pytest.approx(0.25) and log.chat_ali(2) == pytest.approx(0.75)
+
+
+def test_block_cost_sensitivity_is_the_highest_of_its_readers_within_the_window():
+    log = AccessLog(window_steps=2, default_cs=0.5)
+    assert log.cost_sensitivity([7]).tolist() == [0.5]  # never read: the default
+    log.record_step(1, {0, 1}, cost_sensitivity=0.9)
+    log.record_step(2, {1}, cost_sensitivity=0.1)  # a shared prefix keeps its premium reader's CS
+    assert log.cost_sensitivity([0, 1]).tolist() == pytest.approx([0.9, 0.9])
+    log.record_step(2, {2}, cost_sensitivity=0.1)
+    log.record_step(2, {2}, cost_sensitivity=0.1)
+    log.record_step(2, {1}, cost_sensitivity=0.1)  # unread for a whole window: its readers start afresh
+    assert log.cost_sensitivity([1]).tolist() == pytest.approx([0.1])
+
+
+def test_forgetting_a_chat_drops_its_record():
+    log = AccessLog(window_steps=3)
+    log.record_step(5, {0}, tables=[[0]], cost_sensitivity=0.7)
+    assert log.chats[5].tables == [[0]] and log.chats[5].cost_sensitivity == 0.7 and log.chats[5].last_step == 0
+    log.forget_chat(5)
+    assert 5 not in log.chats
+
+
+# --- victims per policy ----------------------------------------------------------------------------
+
+def test_lru_demotes_the_block_read_longest_ago():
+    sched, index = scheduler("lru"), BlockIndex()
+    a, b, c = fill(index, HOT, 3)
+    step(sched, index, 1, [a, b, c])
+    step(sched, index, 1, [a, c])
+    step(sched, index, 1, [c, a])
+    assert victims(sched, index, [3, 3, 0]) == [Move(b, HOT, WARM)]
+
+
+def test_fifo_demotes_the_block_that_entered_its_tier_first_whatever_was_read_since():
+    sched, index = scheduler("fifo"), BlockIndex()
+    first = fill(index, HOT, 1, clock=0)[0]
+    index.clock = 5
+    second, third = index.add(HOT, 1), index.add(HOT, 2)
+    step(sched, index, 1, [first])  # reading it does not refresh its arrival
+    assert victims(sched, index, [3, 3, 0]) == [Move(first, HOT, WARM)]
+
+
+def test_lfu_demotes_the_least_read_block_ties_by_recency():
+    sched, index = scheduler("lfu"), BlockIndex()
+    a, b, c = fill(index, HOT, 3)
+    for _ in range(3):
+        step(sched, index, 1, [a])
+    step(sched, index, 2, [b])
+    step(sched, index, 3, [c])  # b and c were read once each: b longer ago goes first
+    assert victims(sched, index, [3, 3, 0], num_new=2) == [Move(b, HOT, WARM), Move(c, HOT, WARM)]
+
+
+def test_ali_forgets_reads_that_left_the_window_unlike_lfu():
+    index = BlockIndex()
+    a, b = fill(index, HOT, 2)
+    plans = {}
+    for policy in ("lfu", "ali"):
+        sched = scheduler(policy, window=3)
+        for _ in range(5):  # a was read a lot, long ago
+            sched.access_log.record_step(1, {a})
+        for _ in range(3):  # b is what the last 3 steps read
+            sched.access_log.record_step(2, {b})
+        plans[policy] = victims(sched, index, [2, 2, 0])
+    assert plans == {"lfu": [Move(b, HOT, WARM)], "ali": [Move(a, HOT, WARM)]}
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "ali"])
+def test_cost_sensitivity_makes_a_premium_chat_the_last_victim(policy):
+    """Same access pattern, one chat at CS 1.0, the other at 0.0: the cheap one goes first under
+    every policy, though it was read more recently, more often and arrived later."""
+    sched, index = scheduler(policy, window=10, cs_weight=1.0), BlockIndex()
+    premium = fill(index, HOT, 2, clock=0)
+    index.clock = 1
+    cheap = [index.add(HOT, 2), index.add(HOT, 3)]
+    step(sched, index, 1, premium, cs=1.0)
+    step(sched, index, 2, cheap, cs=0.0)
+    step(sched, index, 2, cheap, cs=0.0)
+    assert victims(sched, index, [4, 4, 0], num_new=2) == [Move(cheap[0], HOT, WARM), Move(cheap[1], HOT, WARM)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "ali"])
+def test_without_cost_sensitivity_differences_ties_fall_back_to_lru_order(policy):
+    sched, index = scheduler(policy), BlockIndex()
+    blocks = fill(index, HOT, 3)
+    index.touch([blocks[2]])
+    index.touch([blocks[0]])  # recency: 1, 2, 0 ; no step recorded: every value ties
+    assert victims(sched, index, [3, 3, 0], num_new=3) == [Move(1, HOT, WARM), Move(2, HOT, WARM), Move(0, HOT, WARM)]
+
+
+def test_cs_weight_zero_ignores_cost_sensitivity():
+    sched, index = scheduler("lru", cs_weight=0.0), BlockIndex()
+    a, b = fill(index, HOT, 2)
+    step(sched, index, 1, [a], cs=1.0)
+    step(sched, index, 2, [b], cs=0.0)
+    assert victims(sched, index, [2, 2, 0]) == [Move(a, HOT, WARM)]
+
+
+# --- background plans --------------------------------------------------------------------------------
+
+def marks(high, low) -> Watermarks:
+    return Watermarks(high_blocks=tuple(high), low_blocks=tuple(low))
+
+
+def background(sched, index, capacities, watermarks, **kw):
+    free = [c - index.count_in(t) for t, c in enumerate(capacities)]
+    return sched.plan_background(index, free, capacities, watermarks, **kw).moves
+
+
+def test_over_the_high_watermark_hot_demotes_by_policy_down_to_the_low_one():
+    sched, index = scheduler("lru", window=100, idle_steps=0), BlockIndex()
+    blocks = fill(index, HOT, 5)
+    for owner, block_id in enumerate(blocks):  # five chats, one block each, read in turn
+        step(sched, index, owner, [block_id])
+    # ALI of each is 1/5 + cs bonus 0.25 -> 0.45: warm, so hot may give them up early
+    moves = background(sched, index, [5, 10, 0], marks([4, 9, 0], [2, 8, 0]))
+    assert moves == [Move(blocks[0], HOT, WARM), Move(blocks[1], HOT, WARM), Move(blocks[2], HOT, WARM)]
+
+
+def test_under_the_high_watermark_nothing_moves():
+    sched, index = scheduler("lru", idle_steps=0), BlockIndex()
+    fill(index, HOT, 4)
+    assert background(sched, index, [5, 10, 0], marks([4, 9, 0], [2, 8, 0])) == []
+
+
+def test_a_working_set_is_never_demoted_early():
+    """One chat reads all its blocks every step: ALI 1.0 says hot, so the watermark leaves them."""
+    sched, index = scheduler("lru", idle_steps=0), BlockIndex()
+    blocks = fill(index, HOT, 5)
+    for _ in range(3):
+        step(sched, index, 1, blocks)
+    assert background(sched, index, [5, 10, 0], marks([4, 9, 0], [2, 8, 0])) == []
+
+
+def test_ali_sends_a_block_straight_to_the_tier_its_score_names():
+    sched, index = scheduler("ali", window=10, idle_steps=0, cs_weight=0.0), BlockIndex()
+    old, busy = fill(index, HOT, 2)
+    step(sched, index, 1, [old])
+    for _ in range(9):
+        step(sched, index, 2, [busy])  # old: ALI 0.1 -> cold ; busy: 0.9 -> stays hot
+    moves = background(sched, index, [2, 4, 4], marks([1, 4, 4], [1, 3, 4]))
+    assert moves == [Move(old, HOT, COLD)]
+
+
+def test_unreferenced_cached_blocks_with_nowhere_to_go_are_dropped():
+    sched, index = scheduler("lru", idle_steps=0), BlockIndex()
+    cached, held = fill(index, WARM, 2)
+    index.decref(cached)
+    step(sched, index, 1, [held])
+    sched.access_log.record_step(2, set())  # another chat's step: held's ALI falls to 0.5 + bonus
+    moves = background(sched, index, [0, 2, 0], marks([0, 1, 0], [0, 1, 0]))
+    assert moves == [Move(cached, WARM, DROPPED)]
+
+
+def test_idle_hot_blocks_go_to_warm_after_idle_steps_scaled_by_cs():
+    sched, index = scheduler("lru", window=100, idle_steps=4), BlockIndex()
+    cheap, premium, busy = fill(index, HOT, 3)
+    step(sched, index, 1, [cheap], cs=0.0)
+    step(sched, index, 2, [premium], cs=1.0)  # may idle 4 * (1 + 1.0) = 8 steps
+    for _ in range(6):
+        step(sched, index, 3, [busy])
+    no_marks = marks([3, 3, 0], [3, 3, 0])
+    assert background(sched, index, [3, 3, 0], no_marks) == [Move(cheap, HOT, WARM)]
+    for _ in range(3):
+        step(sched, index, 3, [busy])
+    assert background(sched, index, [3, 3, 0], no_marks) == [Move(cheap, HOT, WARM), Move(premium, HOT, WARM)]
+
+
+def test_ali_brings_blocks_it_scores_hot_up_while_under_the_high_watermark():
+    sched, index = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0), BlockIndex()
+    (hot_block,) = fill(index, HOT, 1)
+    index.clock = 0
+    spilled = [index.add(WARM, 0), index.add(WARM, 1), index.add(COLD, 0)]
+    for _ in range(4):
+        step(sched, index, 1, spilled)  # read every step while spilled: ALI 1.0
+    moves = background(sched, index, [4, 4, 4], marks([3, 4, 4], [2, 4, 4]))
+    # hot stops at 3 of 4; the cold one comes as far as warm
+    assert moves == [Move(spilled[0], WARM, HOT), Move(spilled[1], WARM, HOT), Move(spilled[2], COLD, WARM)]
+
+
+def test_background_plans_respect_max_moves_and_pins():
+    sched, index = scheduler("lru", idle_steps=0), BlockIndex()
+    blocks = fill(index, HOT, 6)
+    for owner, block_id in enumerate(blocks):
+        step(sched, index, owner, [block_id])
+    moves = background(sched, index, [6, 10, 0], marks([4, 9, 0], [1, 8, 0]), max_moves=2,
+                       is_pinned=lambda b: b == blocks[0])
+    assert moves == [Move(blocks[1], HOT, WARM), Move(blocks[2], HOT, WARM)]
+
+
+# --- bad settings -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("section, key, value, allowed", [
+    ("scheduler", "policy", "mru", "'lru', 'lfu', 'fifo' or 'ali'"),
+    ("scheduler", "ali_hot", 1.2, "a number from 0 to 1"),
+    ("scheduler", "bs_threshold", -0.1, "a number from 0 to 1"),
+    ("scheduler", "cs_weight", "high", "a number from 0 to 1"),
+    ("scheduler", "ali_window", -5, "an integer >= 1"),
+    ("scheduler", "ali_window", 0, "an integer >= 1"),
+    ("scheduler", "idle_steps", -1, "an integer >= 0"),
+    ("hot", "high_watermark", 1.5, "a number from 0 to 1"),
+    ("warm", "low_watermark", True, "a number from 0 to 1"),
+])
+def test_bad_scheduler_settings_name_key_value_and_what_is_allowed(section, key, value, allowed):
+    with pytest.raises(ConfigError) as error:
+        load_config({section: {key: value}})
+    message = str(error.value)
+    assert f"'{section}.{key}'" in message and repr(value) in message and allowed in message
+
+
+def test_low_watermark_above_high_is_refused():
+    with pytest.raises(ConfigError, match=r"'hot.low_watermark': got 0.9, above 'hot.high_watermark' 0.5"):
+        load_config({"hot": {"high_watermark": 0.5, "low_watermark": 0.9}})
+
+
+def test_ali_warm_above_ali_hot_is_refused():
+    with pytest.raises(ConfigError, match=r"'scheduler.ali_warm'.*allowed: ali_warm <= ali_hot"):
+        load_config({"scheduler": {"ali_hot": 0.2, "ali_warm": 0.5}})
+
+
+def test_target_tiers_follow_the_ali_thresholds():
+    sched = scheduler("ali", window=10, cs_weight=0.0)
+    for _ in range(8):
+        sched.access_log.record_step(1, {0})
+    for _ in range(2):
+        sched.access_log.record_step(2, {1, 0})
+    # block 0: 10/10, block 1: 2/10 (cold), block 2: never
+    assert sched.target_tiers([0, 1, 2]).tolist() == [HOT, COLD, COLD]
+    sched.access_log.record_step(3, {1})
+    sched.access_log.record_step(3, {1})  # block 1: 4/10 -> warm
+    assert sched.target_tiers(np.array([1])).tolist() == [WARM]
