@@ -68,7 +68,7 @@ def _squeezed_config(tmp_path) -> dict:
     return config
 
 
-def _run_threaded(model, store, chats: list[Chat], form: str, seed: int):
+def _run_threaded(model, store, chats: list[Chat], form: str, seed: int, prefetch: bool = False):
     """Drive every chat's turns from NUM_THREADS worker threads. Returns (errors, overflows, alive)."""
     tasks: queue.Queue = queue.Queue()
     order = list(range(len(chats)))
@@ -92,7 +92,9 @@ def _run_threaded(model, store, chats: list[Chat], form: str, seed: int):
             chat = chats[i]
             try:
                 if chat.bank is None:
-                    chat.bank = make_bank(form, model, store=store)
+                    chat.bank = make_bank(form, model, store=store, cost_sensitivity=(i % 3) / 2)
+                elif prefetch:  # "the user starts typing": the mover brings the history up meanwhile
+                    chat.bank.prefetch()
                 ids = chat.next_ids(chat.outputs)
                 chat.bank.attach(ids)
                 chat.outputs.append(greedy(model, ids, chat.bank, chat.new_tokens[len(chat.outputs)]))
@@ -132,12 +134,18 @@ def _run_threaded(model, store, chats: list[Chat], form: str, seed: int):
     return errors, overflows, alive
 
 
-def _stress(form: str, seed: int, tmp_path):
+def _stress(form: str, seed: int, tmp_path, scheduler: dict | None = None, prefetch: bool = False):
     model = tiny_model("llama")  # one model instance serves every chat, like a server
     chats = _chats(seed)
     expected = [_reference(model, chat) for chat in chats]  # single-threaded, before
-    store = tiered_kv.TierStore(_squeezed_config(tmp_path))
-    errors, overflows, alive = _run_threaded(model, store, chats, form, seed)
+    config = _squeezed_config(tmp_path)
+    if scheduler is not None:
+        config["scheduler"] = scheduler
+        # watermarks low enough that the mover demotes in the background all the time
+        config["hot"].update(high_watermark=0.34, low_watermark=0.0)
+        config["warm"].update(high_watermark=0.5, low_watermark=0.25)
+    store = tiered_kv.TierStore(config)
+    errors, overflows, alive = _run_threaded(model, store, chats, form, seed, prefetch)
     assert not alive, f"deadlock: threads {alive} still running after {JOIN_TIMEOUT_S} s"
     assert not errors, errors
     assert not overflows, f"tiers over capacity: {sorted(set(overflows))}"
@@ -145,14 +153,25 @@ def _stress(form: str, seed: int, tmp_path):
         assert len(chat.outputs) == NUM_TURNS, f"chat {i} ran {len(chat.outputs)} turns"
         for turn, (got, ref) in enumerate(zip(chat.outputs, want)):
             assert torch.equal(got, ref), f"chat {i} turn {turn}: {got.tolist()} != {ref.tolist()}"
-    moved = store.stats()["bytes_moved"]
+    stats = store.stats()
+    moved = stats["bytes_moved"]
     assert sum(moved.values()) > 0, f"the squeezed tiers moved no block: {moved}"
+    if scheduler is not None:
+        assert stats["bytes_background"] > 0, f"the mover moved nothing: {stats['scheduler']}"
     store.close()
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_many_chats_from_many_threads_on_one_store(seed, tmp_path):
     _stress("model", seed, tmp_path)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "ali"])
+def test_every_policy_with_the_mover_and_prefetch_from_many_threads(policy, tmp_path):
+    """Issue 7: greedy tokens equal DynamicCache's under every policy, chats driven from 4 threads
+    while the background mover prefetches, demotes past the watermarks and compacts."""
+    _stress("model", 0, tmp_path, scheduler={"policy": policy, "ali_window": 8, "idle_steps": 6,
+                                             "mover_interval_s": 0.001}, prefetch=True)
 
 
 @pytest.mark.parametrize("seed", SEEDS[:3])

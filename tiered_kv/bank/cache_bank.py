@@ -74,7 +74,7 @@ def _check_cost_sensitivity(value) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"CacheBank(cost_sensitivity={value!r}): allowed a number from 0 (send this chat's "
+        raise ValueError(f"CacheBank(cost_sensitivity={value!r}): allowed: a number from 0 (send this chat's "
                          "blocks down first) to 1 (keep them hot longest), or None for scheduler.default_cost_sensitivity")
 
 
