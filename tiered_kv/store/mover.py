@@ -62,6 +62,10 @@ class Mover:
         self._landed = threading.Condition(store.lock)
         self._wake = threading.Event()
         self._stop = False
+        settings = store.config.scheduler
+        # ALI and idleness change with steps: replan an empty background plan every few of them
+        self._recheck_steps = max(1, min(settings.ali_window, settings.idle_steps or settings.ali_window) // 8)
+        self._quiet_since: tuple[int, tuple[int, ...]] | None = None
         self.num_batches = 0
         self.num_cancelled = 0
         self.bytes_moved = 0
@@ -167,13 +171,25 @@ class Mover:
             if plan.moves:
                 return Plan(moves=plan.moves[:self.batch_blocks])
             del self._requests[owner]  # nothing more can come up now
-        if store.link_monitor.saturation() <= store.config.scheduler.bs_threshold:
+        if self._background_may_have_work() and \
+                store.link_monitor.saturation() <= store.config.scheduler.bs_threshold:
             plan = store.scheduler.plan_background(store.index, store.free_slots(), store.capacities,
                                                    store.watermarks, store.is_pinned, self.batch_blocks)
             if plan.moves:
                 return plan
+            # nothing to do: plan again once tier use changes or enough steps passed to change scores
+            self._quiet_since = (store.access_log.now, tuple(store.free_slots()))
         plan_compaction = getattr(store, "plan_compaction", None)
         return plan_compaction(self.batch_blocks) if plan_compaction is not None else None
+
+    def _background_may_have_work(self) -> bool:
+        """False while nothing that a background plan reads changed since one came back empty
+        (the mover wakes at every step's end: it must not replan O(blocks) each time)."""
+        if self._quiet_since is None:
+            return True
+        store = self.store
+        step, free = self._quiet_since
+        return tuple(store.free_slots()) != free or store.access_log.now - step >= self._recheck_steps
 
     # ---- reserve / copy / commit --------------------------------------------------------------
     def _reserve(self, plan: Plan) -> tuple[list[Flight], int]:
