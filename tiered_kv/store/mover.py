@@ -193,13 +193,14 @@ class Mover:
 
     # ---- reserve / copy / commit --------------------------------------------------------------
     def _reserve(self, plan: Plan) -> tuple[list[Flight], int]:
-        """Destination slots for the plan's leading moves that have one free now (the rest wait
-        for a later batch, planned afresh); drops are applied at once."""
+        """Destination slots for the plan's moves that have one free now; the others (a promotion
+        waiting for the slot its victim's demotion frees) wait for a later batch, planned afresh.
+        Drops are applied at once."""
         store, flights, dropped = self.store, [], 0
         for move in plan.moves:
             entry = store.index.get(move.block_id)
             if entry.tier != move.src_tier:
-                break
+                continue
             if move.dst_tier == DROPPED:
                 store._executor.evict(move.block_id)
                 dropped += 1
@@ -213,7 +214,7 @@ class Mover:
             else:
                 slots = None
             if slots is None:
-                break
+                continue
             flight = Flight(move.block_id, move.src_tier, entry.slot, move.dst_tier, slots[0])
             self.in_flight[move.block_id] = flight
             flights.append(flight)
