@@ -106,7 +106,7 @@ class _Simulation:
         return self.tier(block_id) == tier and self.is_movable(block_id)
 
     def _victim(self, tier: int) -> int | None:
-        """The least recently used movable block now in `tier` (not consumed)."""
+        """The least valuable movable block now in `tier` (not consumed)."""
         peeked = self._peeked[tier]
         if peeked is not None and self._still_here(peeked, tier):
             return peeked
