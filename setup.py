@@ -24,6 +24,8 @@ setup(
         "test": ["pytest>=8", "gguf>=0.10", "accelerate>=1.0"],
         # GPU extra: ~2.7 GB of CUDA libraries. Needs a CUDA build of torch installed first.
         "gpu": ["cupy-cuda12x>=13", "kvikio-cu12>=25.0"],
+        # figures of the benchmarks (bench/sessions.py --plot)
+        "plot": ["matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["tiered-kv=tiered_kv.cli:main"]},
 )
