@@ -184,14 +184,18 @@ def test_a_working_set_is_never_demoted_early():
     assert background(sched, index, [5, 10, 0], marks([4, 9, 0], [2, 8, 0])) == []
 
 
-def test_ali_sends_a_block_straight_to_the_tier_its_score_names():
+def test_watermark_demotion_goes_one_tier_down_even_when_ali_says_cold():
+    """The next tier is the cheapest to fetch back from; cold only when warm is full."""
     sched, index = scheduler("ali", window=10, idle_steps=0, cs_weight=0.0), BlockIndex()
     old, busy = fill(index, HOT, 2)
     step(sched, index, 1, [old])
     for _ in range(9):
-        step(sched, index, 2, [busy])  # old: ALI 0.1 -> cold ; busy: 0.9 -> stays hot
-    moves = background(sched, index, [2, 4, 4], marks([1, 4, 4], [1, 3, 4]))
-    assert moves == [Move(old, HOT, COLD)]
+        step(sched, index, 2, [busy])  # old: ALI 0.1 (cold by score) ; busy: 0.9 -> stays hot
+    assert background(sched, index, [2, 4, 4], marks([1, 4, 4], [1, 3, 4])) == [Move(old, HOT, WARM)]
+    index.clock = 0
+    for slot in range(4):
+        index.add(WARM, slot)  # warm full: now the block goes on to cold
+    assert background(sched, index, [2, 4, 4], marks([1, 4, 4], [1, 4, 4])) == [Move(old, HOT, COLD)]
 
 
 def test_unreferenced_cached_blocks_with_nowhere_to_go_are_dropped():
@@ -218,7 +222,7 @@ def test_idle_hot_blocks_go_to_warm_after_idle_steps_scaled_by_cs():
     assert background(sched, index, [3, 3, 0], no_marks) == [Move(cheap, HOT, WARM), Move(premium, HOT, WARM)]
 
 
-def test_ali_brings_blocks_it_scores_hot_up_while_under_the_high_watermark():
+def test_ali_brings_blocks_it_scores_hot_up_while_under_the_low_watermark():
     sched, index = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0), BlockIndex()
     (hot_block,) = fill(index, HOT, 1)
     index.clock = 0
@@ -226,8 +230,8 @@ def test_ali_brings_blocks_it_scores_hot_up_while_under_the_high_watermark():
     for _ in range(4):
         step(sched, index, 1, spilled)  # read every step while spilled: ALI 1.0
     moves = background(sched, index, [4, 4, 4], marks([3, 4, 4], [2, 4, 4]))
-    # hot stops at 3 of 4; the cold one comes as far as warm
-    assert moves == [Move(spilled[0], WARM, HOT), Move(spilled[1], WARM, HOT), Move(spilled[2], COLD, WARM)]
+    # hot fills only to its low mark (2 of 4: room stays for new turns); the cold one reaches warm
+    assert moves == [Move(spilled[0], WARM, HOT), Move(spilled[2], COLD, WARM)]
 
 
 def test_background_plans_respect_max_moves_and_pins():

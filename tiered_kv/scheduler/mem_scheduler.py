@@ -22,7 +22,7 @@ move) are never moved.
 Background plans (`plan_background`, carried out by the store's mover off the critical path):
 demote by policy when a tier is fuller than its high watermark, down to its low one; demote
 chats idle for `idle_steps`; under `ali`, bring blocks whose ALI says hot (> ali_hot) or warm
-(> ali_warm) up while there is room below the high watermark.
+(> ali_warm) up while the tier is under its low watermark.
 """
 
 from __future__ import annotations
@@ -288,13 +288,14 @@ class MemScheduler:
         """Optional moves, for the mover to carry out off the critical path (at most `max_moves`):
 
         1. a tier fuller than its high watermark demotes its least valuable blocks down to its
-           low watermark (warm first, so hot's victims find room there). A block whose score
-           names its tier or a higher one stays (a working set it would only fetch back); under `ali` a
-           victim goes straight to the tier its score names when that is lower. Unreferenced
-           cached blocks with nowhere to go are dropped.
+           low watermark (warm first, so hot's victims find room there), one tier down (lower
+           only when that one is full). A block whose score names its tier or a higher one
+           stays (a working set it would only fetch back). Unreferenced cached blocks with
+           nowhere to go are dropped.
         2. hot blocks unread for `idle_steps` store steps (times 1 + CS) go to warm.
         3. under `ali`, warm and cold blocks whose score names a higher tier come up while that
-           tier stays under its high watermark (most valuable first).
+           tier stays under its low watermark (most valuable first; the room between the low
+           and high marks stays free for the blocks new turns allocate).
         Never moves pinned blocks; never cascades (each move needs a free slot where it goes).
         """
         sim = self._simulation(index, free_slots, capacities, _movable(frozenset(), is_pinned))
@@ -322,13 +323,10 @@ class MemScheduler:
                     break
                 if not sim.is_movable(block_id) or sim.tier(block_id) != tier:
                     continue
-                target = targets[block_id]
-                if target <= tier:
+                if targets[block_id] <= tier:
                     continue  # its score says it belongs here: demoting it early would only bring it back
-                lowest = max(tier + 1, target) if self.policy == "ali" else tier + 1
-                dst = self._lower_tier_with_room(sim, capacities, lowest) if lowest < NUM_TIERS else None
-                if dst is None and lowest > tier + 1:
-                    dst = self._lower_tier_with_room(sim, capacities, tier + 1)
+                # one tier down (the cheapest to bring back), lower only when that one is full
+                dst = self._lower_tier_with_room(sim, capacities, tier + 1) if tier + 1 < NUM_TIERS else None
                 if dst is not None:
                     sim.move(block_id, tier, dst)
                 elif index.get(block_id).ref_count == 0:
@@ -367,6 +365,6 @@ class MemScheduler:
                 continue
             for dst in range(target, tier):
                 used = capacities[dst] - sim.free[dst]
-                if capacities[dst] > 0 and sim.free[dst] > 0 and used + 1 <= watermarks.high_blocks[dst]:
+                if capacities[dst] > 0 and sim.free[dst] > 0 and used + 1 <= watermarks.low_blocks[dst]:
                     sim.move(block_id, tier, dst)
                     break
