@@ -42,8 +42,9 @@ def test_ali_is_the_share_of_the_window_that_read_the_block():
     log.record_step(1, {0, 1})
     log.record_step(2, {2})
     log.record_step(1, {0, 1})
-    assert log.steps_in_window == 3  # fewer steps than the window so far: their share
-    assert log.ali([0, 1, 2, 3]).tolist() == pytest.approx([2 / 3, 2 / 3, 1 / 3, 0.0])
+    assert log.steps_in_window == 3
+    # the share of the steps since each block was first read: 2 of 3, 2 of 3, 1 of 2; never read: 0
+    assert log.ali([0, 1, 2, 3]).tolist() == pytest.approx([2 / 3, 2 / 3, 1 / 2, 0.0])
     log.record_step(2, {2})
     log.record_step(2, {2})  # the first step (0, 1) leaves the window
     assert log.window_reads([0, 1, 2]).tolist() == [1, 1, 3]
@@ -276,12 +277,22 @@ def test_ali_warm_above_ali_hot_is_refused():
 
 def test_target_tiers_follow_the_ali_thresholds():
     sched = scheduler("ali", window=10, cs_weight=0.0)
-    for _ in range(8):
+    sched.access_log.record_step(1, {0, 1})
+    for _ in range(7):
         sched.access_log.record_step(1, {0})
     for _ in range(2):
-        sched.access_log.record_step(2, {1, 0})
-    # block 0: 10/10, block 1: 2/10 (cold), block 2: never
+        sched.access_log.record_step(2, {0})
+    # block 0: read by all 10 steps; block 1: by 1 of the 10 since it was first read; 2: never
     assert sched.target_tiers([0, 1, 2]).tolist() == [HOT, COLD, COLD]
-    sched.access_log.record_step(3, {1})
-    sched.access_log.record_step(3, {1})  # block 1: 4/10 -> warm
+    for _ in range(4):
+        sched.access_log.record_step(3, {1})  # block 1: 4 of the last 10 -> warm
     assert sched.target_tiers(np.array([1])).tolist() == [WARM]
+
+
+def test_a_chats_newest_block_scores_like_its_oldest():
+    """Every step of a chat reads all its blocks: ALI counts only the steps since a block was
+    first read, so a block allocated late is not a victim before the chat's older ones."""
+    log = AccessLog(window_steps=10)
+    for step_no in range(6):
+        log.record_step(1, {0, 1} | ({2} if step_no >= 4 else set()))
+    assert log.ali([0, 1, 2]).tolist() == pytest.approx([1.0, 1.0, 1.0])

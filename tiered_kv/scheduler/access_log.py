@@ -7,7 +7,8 @@ arrays that grow with the ids (ids are never reused):
 
   last_read_step   the store step that last read the block (-1: never read)
   num_reads        steps that read it since it was allocated          (LFU)
-  window_reads     steps among the last `window_steps` that read it   (ALI = that / window length)
+  window_reads     steps among the last `window_steps` that read it   (ALI = that / the steps of
+                   the window since it was first read)
   cost_sensitivity the highest CS among the chats that read it since it last went a whole
                    window unread (a shared prefix keeps its premium reader's CS); `default_cs`
                    for blocks nobody read yet
@@ -47,6 +48,7 @@ class AccessLog:
         self._window_owners: deque[int] = deque()  # and whose step each was
         self._owner_window_steps: dict[int, int] = {}
         self._last_read = np.full(0, -1, dtype=np.int64)
+        self._first_read = np.full(0, -1, dtype=np.int64)
         self._num_reads = np.zeros(0, dtype=np.int64)
         self._window_reads = np.zeros(0, dtype=np.int64)
         self._cs = np.zeros(0, dtype=np.float64)
@@ -59,9 +61,12 @@ class AccessLog:
         ids = np.fromiter(block_ids, dtype=np.int64)
         if len(ids):
             self._grow(int(ids.max()) + 1)
-            recent = self._last_read[ids] >= self.now - self.window_steps
+            last = self._last_read[ids]
+            recent = (last >= 0) & (last >= self.now - self.window_steps)
             self._cs[ids] = np.where(recent, np.maximum(self._cs[ids], cs), cs)
             self._last_read[ids] = self.now
+            first = self._first_read[ids]
+            self._first_read[ids] = np.where(first < 0, self.now, first)
             self._num_reads[ids] += 1
             self._window_reads[ids] += 1
         self._window.append(ids)
@@ -93,6 +98,7 @@ class AccessLog:
         new_size = max(size, 2 * len(self._last_read), 1024)
         extra = new_size - len(self._last_read)
         self._last_read = np.concatenate((self._last_read, np.full(extra, -1, dtype=np.int64)))
+        self._first_read = np.concatenate((self._first_read, np.full(extra, -1, dtype=np.int64)))
         self._num_reads = np.concatenate((self._num_reads, np.zeros(extra, dtype=np.int64)))
         self._window_reads = np.concatenate((self._window_reads, np.zeros(extra, dtype=np.int64)))
         self._cs = np.concatenate((self._cs, np.full(extra, self.default_cs, dtype=np.float64)))
@@ -120,9 +126,14 @@ class AccessLog:
         return max(1, min(self.now, self.window_steps))
 
     def ali(self, ids) -> np.ndarray:
-        """Access locality index: the share of the last `window_steps` store steps (of all steps
-        so far, while there were fewer) that read each block."""
-        return self.window_reads(ids) / self.steps_in_window
+        """Access locality index: the share of the last `window_steps` store steps that read
+        each block, counting only steps since the block was first read (a block cannot be read
+        before it exists: a chat's newest block, read by every step since, scores like its
+        oldest one)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        first = self._take(self._first_read, ids, -1)
+        steps = np.clip(np.minimum(self.now - first, self.window_steps), 1, None)
+        return np.where(first < 0, 0.0, self.window_reads(ids) / steps)
 
     def cost_sensitivity(self, ids) -> np.ndarray:
         return self._take(self._cs, ids, self.default_cs)

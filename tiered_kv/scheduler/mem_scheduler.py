@@ -12,7 +12,8 @@ valuable unreferenced block of the tier is dropped. A block's value under each p
   lru   the last store step that read it or brought it into its tier
   fifo  the store step it entered its current tier
   lfu   how many store steps read it
-  ali   how many of the last `ali_window` store steps read it (ALI = that / ali_window)
+  ali   ALI: the share of the last `ali_window` store steps (since the block was first read)
+        that read it, scaled by ali_window
 
 plus a cost-sensitivity bonus of `cs_weight * CS * ali_window` (in the policy's own unit), so a
 high-CS chat's blocks go last and a low-CS chat's first. Ties keep least-recently-used order.
@@ -62,7 +63,7 @@ class _Values:
         elif policy == "lfu":
             base = log.num_reads(ids)
         else:  # ali
-            base = log.window_reads(ids)
+            base = log.ali(ids) * window
         return base + self.scheduler.cs_weight * window * log.cost_sensitivity(ids)
 
     def order(self, tier: int) -> list[int]:
@@ -293,9 +294,10 @@ class MemScheduler:
            stays (a working set it would only fetch back). Unreferenced cached blocks with
            nowhere to go are dropped.
         2. hot blocks unread for `idle_steps` store steps (times 1 + CS) go to warm.
-        3. under `ali`, warm and cold blocks whose score names a higher tier come up while that
-           tier stays under its low watermark (most valuable first; the room between the low
-           and high marks stays free for the blocks new turns allocate).
+        3. under `ali`, warm and cold blocks read in the last tenth of the ALI window (a working
+           set that spilled) whose score names a higher tier come up while that tier stays
+           under its low watermark (most valuable first; the room between the low and high
+           marks stays free for the blocks new turns allocate).
         Never moves pinned blocks; never cascades (each move needs a free slot where it goes).
         """
         sim = self._simulation(index, free_slots, capacities, _movable(frozenset(), is_pinned))
@@ -352,6 +354,13 @@ class MemScheduler:
 
     def _promote_by_score(self, sim, index, capacities, watermarks, max_moves) -> None:
         candidates = [b for tier in (WARM, COLD) for b in index.recency(tier)]
+        if not candidates:
+            return
+        # only blocks read lately from where they are (a working set that spilled): a chat idle
+        # between turns comes up by prefetch or at its turn, not by speculation
+        log = self.access_log
+        recent = log.last_read_step(candidates) >= log.now - max(1, log.window_steps // 10)
+        candidates = [b for b, keep in zip(candidates, recent.tolist()) if keep]
         if not candidates:
             return
         scores = self.scores(candidates)

@@ -59,6 +59,7 @@ class Mover:
                                    dtype=store.dtype, pin_memory=store.pinned)
         self.in_flight: dict[int, Flight] = {}
         self._requests: OrderedDict[int, list[int]] = OrderedDict()  # owner -> blocks, most wanted first
+        self._expected: dict[int, frozenset[int]] = {}  # owner -> blocks prefetched for its coming turn
         self._landed = threading.Condition(store.lock)
         self._wake = threading.Event()
         self._stop = False
@@ -80,10 +81,27 @@ class Mover:
     def request_prefetch(self, owner: int, block_ids: list[int]) -> None:
         self._requests[owner] = list(block_ids)
         self._requests.move_to_end(owner)
+        # until its next step, the chat is about to be read: no optional move takes its blocks
+        # down again (its ALI or read count may be low: it has been idle)
+        self._expected[owner] = frozenset(block_ids)
         self._wake.set()
 
     def drop_requests(self, owner: int) -> None:
         self._requests.pop(owner, None)
+        self._expected.pop(owner, None)
+
+    def step_started(self, owner: int) -> None:
+        """The chat's turn began: its prefetch, done or not, is over."""
+        if self._expected:
+            self.drop_requests(owner)
+
+    def _pinned_or_expected(self, except_owner: int | None = None):
+        """A predicate for plans: pinned, in flight, or prefetched for another chat's coming turn."""
+        store = self.store
+        expected = [blocks for owner, blocks in self._expected.items() if owner != except_owner]
+        if not expected:
+            return store.is_pinned
+        return lambda block_id: store.is_pinned(block_id) or any(block_id in blocks for blocks in expected)
 
     def cancel(self, block_ids) -> None:
         """A step is about to read or write these blocks where they are now."""
@@ -167,14 +185,14 @@ class Mover:
                 del self._requests[owner]
                 continue
             plan = store.scheduler.plan_promotion(wanted, store.index, store.free_slots(), store.capacities,
-                                                  store.is_pinned)
+                                                  self._pinned_or_expected(except_owner=owner))
             if plan.moves:
                 return Plan(moves=plan.moves[:self.batch_blocks])
             del self._requests[owner]  # nothing more can come up now
         if self._background_may_have_work() and \
                 store.link_monitor.saturation() <= store.config.scheduler.bs_threshold:
             plan = store.scheduler.plan_background(store.index, store.free_slots(), store.capacities,
-                                                   store.watermarks, store.is_pinned, self.batch_blocks)
+                                                   store.watermarks, self._pinned_or_expected(), self.batch_blocks)
             if plan.moves:
                 return plan
             # nothing to do: plan again once tier use changes or enough steps passed to change scores

@@ -92,6 +92,7 @@ class StepAccess:
             self._pinned_by_step[owner] = block_ids
             if self._mover is not None:
                 self._mover.cancel(block_ids)
+                self._mover.step_started(owner)
             self.access_log.record_step(owner, block_ids, tables, cost_sensitivity)
             self.index.clock = self.access_log.now
 
