@@ -133,6 +133,16 @@ def test_allocate_run_after_the_last_slot_or_a_full_run_looks_elsewhere():
     assert pool.allocate_run(1, after=-1) == [1]
 
 
+def test_allocate_runs_continues_in_place_as_far_as_it_can_then_fills_the_largest_runs():
+    pool = SlotPool(12)
+    assert pool.allocate_run(8) == list(range(8))
+    pool.free([2, 3, 5])
+    assert pool.allocate_runs(6, after=1) == [2, 3, 8, 9, 10, 11]
+    assert pool.free_order() == [5]
+    assert pool.allocate_runs(2) is None  # all or nothing
+    assert pool.allocate_runs(1, after=11) == [5]  # nothing after the last slot
+
+
 def test_many_takes_and_frees_keep_the_free_list_exact():
     pool = SlotPool(5)
     for _ in range(100):  # stale entries of taken slots never come back out of the free list

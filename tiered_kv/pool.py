@@ -78,6 +78,29 @@ class SlotPool:
         self.version += 1
         return list(range(start, start + num_slots))
 
+    def allocate_runs(self, num_slots: int, after: int | None = None) -> list[int] | None:
+        """Take `num_slots` slots, all or nothing, in as few runs as the free slots allow (for
+        when `allocate_run` finds no run long enough): the free slots right after `after` first,
+        then the largest free runs, each from its start. Returns None when fewer are free."""
+        if num_slots > self._num_free:
+            return None
+        slots: list[int] = []
+        if after is not None and 0 <= after + 1 < self.num_slots:
+            end = self._in_use.find(1, after + 1, after + 1 + num_slots)
+            slots = list(range(after + 1, min(self.num_slots, after + 1 + num_slots) if end < 0 else end))
+            self._in_use[after + 1:after + 1 + len(slots)] = b"\x01" * len(slots)
+        if len(slots) < num_slots:
+            starts, lengths = self.free_runs()
+            for k in np.lexsort((starts, -lengths)).tolist():
+                start, count = int(starts[k]), min(int(lengths[k]), num_slots - len(slots))
+                self._in_use[start:start + count] = b"\x01" * count
+                slots.extend(range(start, start + count))
+                if len(slots) == num_slots:
+                    break
+        self._num_free -= num_slots
+        self.version += 1
+        return slots
+
     def _place_run(self, num_slots: int) -> int | None:
         """Where a new run goes so that both it and whatever precedes it can grow in place: in
         the largest free run (the first of equals), at its start when nothing precedes it (slot

@@ -37,6 +37,7 @@ import numpy as np
 from .plan import HOT, Move
 
 HEADROOM_SHARE = 0.25  # free slots wanted after a relocated sequence, as a share of its length
+MAX_OPEN_DEPTH = 3  # sequences moved aside, one for the next, to open a window for one in need
 NO_BLOCK = -1  # block_at of a free slot
 RESERVED = -2  # block_at of a slot in use by nothing the compactor may move
 
@@ -131,6 +132,8 @@ def plan_compaction(
     for i in needy:
         if any(b in pool.pinned for b in rows[i].block_ids):
             result.waiting = True  # its chat is running a step now
+            if rows[i].key == prefer:
+                return result  # a repair under way goes on first, once that step ends
             continue
         moves = pool.moves_for(i, max_moves)
         if moves:
@@ -164,15 +167,41 @@ class _Pool:
         self.sizes = np.asarray([row.num_blocks for row in rows], dtype=np.int64)
 
     def moves_for(self, i: int, max_moves: int) -> list[Move]:
-        row = self.rows[i]
-        n = row.num_blocks
-        headroom = max(1, math.ceil(n * HEADROOM_SHARE))
+        headroom = _headroom(self.rows[i].num_blocks)
         start = self._best_window(i, headroom)
+        moves = self._moves_into(i, start, headroom) if start is not None else self._moves_to_open(i, headroom)
+        return moves[:max_moves]
+
+    def _moves_to_open(self, i: int, headroom: int, keep_out: np.ndarray | None = None, depth: int = 0) -> list[Move]:
+        """No window holds sequence i without taking slots of a sequence at least as long: pick
+        the window it would take if it could and move the longest such sequence in it, whole, to
+        a window of its own beyond: elsewhere, or shifted into free slots beside it, opening
+        room for it first the same way when it has none (up to MAX_OPEN_DEPTH deep). The next
+        calls carry on (this one stays the sequence under repair), then move sequence i in."""
+        start = self._best_window(i, headroom, displace_any=True, keep_out=keep_out)
         if start is None:
             return []
-        return self._moves_into(i, start, headroom)[:max_moves]
+        n = self.rows[i].num_blocks
+        owners = self.row_at[start:start + n]
+        in_window = [j for j in np.unique(owners[owners >= 0]).tolist() if j != i and self.rank[j] > self.rank[i]]
+        if not in_window:
+            return []
+        j = max(in_window, key=lambda k: self.rank[k])
+        inner_keep_out = np.zeros(self.num_slots, dtype=bool) if keep_out is None else keep_out.copy()
+        inner_keep_out[start:start + n] = True
+        inner_keep_out[np.asarray(self.rows[i].slots, dtype=np.int64)] = True
+        own_headroom = _headroom(self.rows[j].num_blocks)
+        destination = self._best_window(j, own_headroom, keep_out=inner_keep_out)
+        if destination is not None:
+            return self._moves_into(j, destination, own_headroom, inner_keep_out)
+        if depth + 1 < MAX_OPEN_DEPTH:
+            return self._moves_to_open(j, own_headroom, inner_keep_out, depth + 1)
+        return []
 
-    def _best_window(self, i: int, headroom: int) -> int | None:
+    def _best_window(self, i: int, headroom: int, displace_any: bool = False,
+                     keep_out: np.ndarray | None = None) -> int | None:
+        """Where sequence i should lie (the start slot), None when it cannot move or is in place.
+        `displace_any`: blocks of longer sequences may be moved too; `keep_out`: slots it may not use."""
         row, num_slots = self.rows[i], self.num_slots
         n = row.num_blocks
         if n > num_slots:
@@ -184,17 +213,16 @@ class _Pool:
         # what each slot costs to empty, and whether it can be emptied at all
         owner = self.row_at
         blocked = self.fixed & ~mine
-        displaceable = np.zeros(num_slots, dtype=bool)
+        if keep_out is not None:
+            blocked |= keep_out
         cost = np.zeros(num_slots, dtype=np.int64)
-        loose = others & (owner < 0)
-        cost[loose] = 1
+        cost[others & (owner < 0)] = 1
         of_rows = others & (owner >= 0)
         if of_rows.any():
             owners = owner[of_rows]
-            smaller = self.rank[owners] < self.rank[i]
-            displaceable[of_rows] = smaller
-            cost[of_rows] = np.where(smaller, 1 + self.sizes[owners], 0)
-            blocked |= of_rows & ~displaceable
+            displaceable = (self.rank[owners] < self.rank[i]) | displace_any
+            cost[of_rows] = np.where(displaceable, 1 + self.sizes[owners], 0)
+            blocked[of_rows] |= ~displaceable
         num_windows = num_slots - n + 1
 
         def window_sums(values: np.ndarray, width: int) -> np.ndarray:
@@ -241,7 +269,7 @@ class _Pool:
         starts = np.arange(num_windows) + n
         return sums[starts + headroom] - sums[starts]
 
-    def _moves_into(self, i: int, start: int, headroom: int) -> list[Move]:
+    def _moves_into(self, i: int, start: int, headroom: int, keep_out: np.ndarray | None = None) -> list[Move]:
         row = self.rows[i]
         n = row.num_blocks
         targets = np.arange(start, start + n)
@@ -250,6 +278,8 @@ class _Pool:
         in_way = [b for b in occupants.tolist() if b != NO_BLOCK and b not in position]
         # free slots the blocks in the way may go to: not the window, headroom last
         spare = ~self.used
+        if keep_out is not None:
+            spare &= ~keep_out
         spare[start:start + n] = False
         headroom_end = min(self.num_slots, start + n + headroom)
         wanted_room = spare[start + n:headroom_end].copy()
@@ -264,6 +294,10 @@ class _Pool:
             misplaced = next(b for k, b in enumerate(occupants.tolist()) if b != NO_BLOCK and position[b] != k)
             moves.append(Move(misplaced, HOT, HOT, dst_slot=destinations[0]))  # out of the way, back next time
         return moves
+
+
+def _headroom(num_blocks: int) -> int:
+    return max(1, math.ceil(num_blocks * HEADROOM_SHARE))
 
 
 def _best_fit(free: np.ndarray, count: int, offset: int = 0) -> list[int]:

@@ -9,7 +9,8 @@ every step). Contiguity can only break when a block changes tier or slot (`place
 when a hot block is allocated anywhere but right after its predecessor, when a bank takes up
 blocks it did not allocate (attach, deepcopy), or when the set of chats changes; the store
 counts the middle two as layout events. While none of these happened since every chat was
-found contiguous, `plan_compaction` returns at once.
+found contiguous, `plan_compaction` returns at once; likewise while neither they nor the running
+steps' pins changed since a plan found nothing it could repair.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class HotLayout:
         self._layout_events = 0
         self._layout_rows: tuple[object, list[RowLayout]] | None = None  # (key, rows) cache
         self._contiguous_key = None  # layout key when every live sequence was found contiguous
-        self._stuck_key = None  # (layout key, pool version) when nothing could be repaired
+        self._stuck_key = None  # (layout key, pins) when nothing could be repaired
         self._repairing: tuple[int, int] | None = None  # the sequence compaction works on
 
     def note_layout_change(self) -> None:
@@ -99,9 +100,10 @@ class HotLayout:
             layout_key = self._layout_key()
             if layout_key == self._contiguous_key:
                 return None
-            pool = self.pools[HOT]
-            if (layout_key, pool.version) == self._stuck_key:
+            stuck_key = (layout_key, self._pins_key())
+            if stuck_key == self._stuck_key:
                 return None
+            pool = self.pools[HOT]
             rows = self._row_layouts()
             if all(row.longest_run() == row.num_blocks for row in rows):
                 self._contiguous_key = layout_key
@@ -115,7 +117,7 @@ class HotLayout:
             self._repairing = result.repairing
             if not result.moves:
                 if not result.waiting:
-                    self._stuck_key = (layout_key, pool.version)
+                    self._stuck_key = stuck_key
                 return None
             return Plan(moves=result.moves)
 
@@ -131,6 +133,11 @@ class HotLayout:
         for block_id in index.recency(HOT):
             block_at[index.get(block_id).slot] = block_id
         return block_at
+
+    def _pins_key(self) -> tuple:
+        """Which steps pin blocks and which blocks are in flight: what else can make a repair wait."""
+        in_flight = tuple(sorted(self._mover.in_flight)) if self._mover is not None else ()
+        return tuple(sorted(self._pinned_by_step)), in_flight
 
     def _pinned_now(self) -> set[int]:
         pinned = set().union(*self._pinned_by_step.values()) if self._pinned_by_step else set()

@@ -244,8 +244,8 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
             entry = self.index.get(previous)
             after = entry.slot if entry.tier == HOT else None
         slots = pool.allocate_run(num_slots, after) if as_run else None
-        if slots is None:
-            slots = pool.allocate(num_slots)
+        if slots is None:  # no run is long enough: as few pieces as the free slots allow
+            slots = pool.allocate_runs(num_slots, after) if as_run else pool.allocate(num_slots)
         if after is None or slots[0] != after + 1:
             self.note_layout_change()  # the sequence may not continue in place here
         return slots
