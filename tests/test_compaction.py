@@ -8,8 +8,8 @@ import torch
 import tiered_kv
 from tiered_kv.blocks import KVLayout
 from tiered_kv.scheduler import HOT, WARM, Move
-from tiered_kv.scheduler.compaction import (NO_BLOCK, RESERVED, RowLayout, chat_contiguity, fragmentation,
-                                            longest_run, plan_compaction)
+from tiered_kv.scheduler.compaction import (MAX_OPEN_DEPTH, NO_BLOCK, RESERVED, RowLayout, chat_contiguity,
+                                            fragmentation, longest_run, plan_compaction)
 
 from helpers import greedy, rand_ids, reference, tiny_model
 
@@ -135,14 +135,36 @@ def test_thresholds_decide_when_a_chat_needs_repair():
     assert plan(block_at, chats, min_contiguity=0.8).moves == [hot(3, 3)]
 
 
-def test_a_larger_chat_may_displace_a_smaller_one_but_not_the_other_way_round():
+def repair(block_at: list[int], chats: dict[int, list[int]], max_calls: int = 20) -> tuple[list[int], int]:
+    """Plan and apply until nothing is left to do, as the mover would: (final pool, moves made)."""
+    num_moves, prefer = 0, None
+    for _ in range(max_calls):
+        result = plan(block_at, chats, prefer=prefer)
+        if not result.moves:
+            return block_at, num_moves
+        block_at, num_moves, prefer = apply(block_at, result.moves), num_moves + len(result.moves), result.repairing
+    raise AssertionError(f"still moving blocks after {max_calls} calls: {block_at}")
+
+
+def test_a_larger_chat_may_displace_a_smaller_one():
     # chat 1 (6 blocks) ran into chat 2 (2 blocks) and continued at slot 7; 4 slots free
     block_at = [0, 1, 2, 3, 4, 10, 11, 5, _, _, _, _]
     chats = {1: [0, 1, 2, 3, 4, 5], 2: [10, 11]}
     assert plan(block_at, chats).moves == [hot(10, 11)]  # chat 2's first block makes way
-    # chat 2 the larger one (16 slots): chat 1 may not take its slots, and fits nowhere else
+    block_at, num_moves = repair(block_at, chats)
+    assert block_at == [0, 1, 2, 3, 4, 5, _, 10, 11, _, _, _] and num_moves == 4  # then chat 2 relocates
+
+
+def test_a_chat_with_no_window_has_a_longer_one_shifted_aside():
+    # chat 1 (6 blocks) ran into chat 2 (7 blocks, the longer) and went on after it; 3 slots free:
+    # chat 2 moves one slot right, its stray block first out of the way, then chat 1 closes up
     block_at = [0, 1, 2, 3, 4, 10, 11, 12, 13, 14, 15, 16, 5, _, _, _]
-    assert plan(block_at, {1: [0, 1, 2, 3, 4, 5], 2: [10, 11, 12, 13, 14, 15, 16]}).moves == []
+    chats = {1: [0, 1, 2, 3, 4, 5], 2: [10, 11, 12, 13, 14, 15, 16]}
+    first = plan(block_at, chats)
+    assert first.moves == [hot(5, 15)] and first.repairing == (1, 0)
+    block_at, num_moves = repair(block_at, chats)
+    assert block_at == [0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15, 16, _, _, _]
+    assert num_moves == 1 + 7 + 1  # chat 1's stray block twice, each of chat 2's once
 
 
 def test_a_chat_whose_blocks_are_out_of_order_moves_one_out_of_the_way():
@@ -205,6 +227,29 @@ def test_a_chat_promoted_block_by_block_lands_in_consecutive_slots_in_token_orde
     slots = slots_of(store, chat)
     assert [store.index.get(b).tier for b in chat] == [HOT] * 4
     assert slots == list(range(slots[0], slots[0] + 4))
+    store.close()
+
+
+def test_a_repair_that_takes_too_many_moves_is_given_up_until_the_pool_has_more_room():
+    store = small_store(12)
+    chat = store.allocate(3)  # no follow: the free list's slots 0, 1, 2
+    other = store.allocate(3)
+    store.release([chat[1]])
+    chat[1:2] = store.allocate(1, follow=[(1, other[-1])])  # slot 6: chat 1 is scattered
+    store.begin_step(1, set(chat), [chat])
+    store.end_step(1)
+    store.begin_step(2, set(other), [other])
+    store.end_step(2)
+    assert slots_of(store, chat) == [0, 6, 2] and store.stats()["contiguity_min"] == pytest.approx(1 / 3)
+    budget = (2 + MAX_OPEN_DEPTH) * 3
+    num_moves = 0
+    while num_moves <= budget:  # the mover would carry each plan out; here nothing moves
+        repair = store.plan_compaction(12)
+        assert repair is not None and {m.block_id for m in repair.moves} <= set(chat)
+        num_moves += len(repair.moves)
+    assert store.plan_compaction(12) is None and store.compaction_pending() is False  # given up
+    store.release([other[-1]])  # more room than when it was given up: another chance
+    assert store.plan_compaction(12) is not None
     store.close()
 
 

@@ -17,11 +17,14 @@ contiguous): it goes to the window of its own length whose cost is least: one pe
 must move in, plus, per other block in the way, 1 for a block of no live sequence, 1 + that
 sequence's length for a block of a *smaller* sequence (it will be relocated in turn), and never
 a pinned or shared block, nor a block of an equal or larger sequence (so two sequences can
-never take slots from each other in turn: every repair leaves larger sequences as they were).
-Among windows of least cost it prefers those followed by free headroom (a quarter of its length,
-at least one block, to grow into), then the middle of the longest run of such windows (its start
+never take slots from each other in turn). When no window is left, room is opened: the
+sequence's window is chosen as if it could take any unpinned slot, and the longest larger
+sequence in it is moved aside, whole, to a window of its own (elsewhere, or shifted into free
+slots beside it; opening room for that one first the same way, a few levels deep). Among
+windows of least cost it prefers those followed by free headroom (a quarter of its length, at
+least one block, to grow into), then the middle of the longest run of such windows (its start
 when that is slot 0). Blocks in the way move out to free slots beyond the window and headroom,
-smallest gaps first and from a gap's end (leaving the room after the sequence before the gap).
+smallest gaps first, at a gap's end (leaving the room after the sequence before the gap).
 Every move goes to a slot free now; moves that must wait for a slot to empty are planned by a
 later call, afresh.
 """
@@ -113,6 +116,7 @@ def plan_compaction(
     min_contiguity: float,
     max_moves: int,
     prefer: tuple[int, int] | None = None,
+    skip: Collection[tuple[int, int]] = frozenset(),
 ) -> Compaction:
     """Moves (at most `max_moves`, each to a slot free now) toward laying out one sequence that
     needs repair in consecutive slots.
@@ -121,9 +125,10 @@ def plan_compaction(
     by nothing that may move. `rows`: every live sequence's hot blocks in token order. `pinned`:
     blocks a running step (or a move in flight) uses now; `shared`: blocks held by more than one
     sequence. Neither kind is moved. `prefer`: the sequence the previous call repaired (its
-    repair goes on first, so two half-done repairs never undo each other)."""
-    needy = [i for i, row in enumerate(rows)
-             if row.num_blocks and needs_repair(row, pool_fragmentation, max_fragmentation, min_contiguity)]
+    repair goes on first, so two half-done repairs never undo each other); `skip`: sequences
+    not to repair (the caller gave up on them)."""
+    needy = [i for i, row in enumerate(rows) if row.num_blocks and row.key not in skip
+             and needs_repair(row, pool_fragmentation, max_fragmentation, min_contiguity)]
     if not needy or max_moves < 1:
         return Compaction()
     needy.sort(key=lambda i: (rows[i].key != prefer, rows[i].contiguity(), -rows[i].num_blocks, rows[i].key))
@@ -188,8 +193,7 @@ class _Pool:
             return []
         j = max(in_window, key=lambda k: self.rank[k])
         inner_keep_out = np.zeros(self.num_slots, dtype=bool) if keep_out is None else keep_out.copy()
-        inner_keep_out[start:start + n] = True
-        inner_keep_out[np.asarray(self.rows[i].slots, dtype=np.int64)] = True
+        inner_keep_out[start:start + n] = True  # (i's blocks elsewhere may be moved out of the way)
         own_headroom = _headroom(self.rows[j].num_blocks)
         destination = self._best_window(j, own_headroom, keep_out=inner_keep_out)
         if destination is not None:
@@ -284,8 +288,9 @@ class _Pool:
         headroom_end = min(self.num_slots, start + n + headroom)
         wanted_room = spare[start + n:headroom_end].copy()
         spare[start + n:headroom_end] = False
-        destinations = _best_fit(spare, len(in_way) + 1)
-        destinations += _best_fit(wanted_room, len(in_way) + 1 - len(destinations), offset=start + n)
+        wanted = max(1, len(in_way))  # with none in the way, one spare slot may break a cycle
+        destinations = _best_fit(spare, wanted)
+        destinations += _best_fit(wanted_room, wanted - len(destinations), offset=start + n)
         moves = [Move(block_id, HOT, HOT, dst_slot=dst) for block_id, dst in zip(in_way, destinations)]
         for block_id, slot, target, occupant in zip(row.block_ids, row.slots, targets.tolist(), occupants.tolist()):
             if slot != target and occupant == NO_BLOCK:
@@ -302,14 +307,16 @@ def _headroom(num_blocks: int) -> int:
 
 def _best_fit(free: np.ndarray, count: int, offset: int = 0) -> list[int]:
     """Up to `count` free slots in the order blocks should fill them: the smallest gaps first,
-    each from its end backwards (the start of a gap is the room of whatever precedes it)."""
+    from each the slots at its end (its start is the room of whatever precedes the gap), in
+    ascending order (blocks moved out together stay in order)."""
     if count <= 0 or not free.any():
         return []
     edges = np.diff(np.concatenate(([0], free.astype(np.int8), [0])))
     starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
     slots: list[int] = []
     for k in np.lexsort((starts, ends - starts)).tolist():
-        slots.extend(range(offset + int(ends[k]) - 1, offset + int(starts[k]) - 1, -1)[:count - len(slots)])
+        take = min(int(ends[k] - starts[k]), count - len(slots))
+        slots.extend(range(offset + int(ends[k]) - take, offset + int(ends[k])))  # ascending: blocks keep their order
         if len(slots) == count:
             break
     return slots

@@ -16,7 +16,8 @@ steps' pins changed since a plan found nothing it could repair.
 from __future__ import annotations
 
 from ..scheduler import HOT, Plan
-from ..scheduler.compaction import NO_BLOCK, RESERVED, RowLayout, chat_contiguity, fragmentation, plan_compaction
+from ..scheduler.compaction import (MAX_OPEN_DEPTH, NO_BLOCK, RESERVED, RowLayout, chat_contiguity, fragmentation,
+                                   plan_compaction)
 
 
 class HotLayout:
@@ -26,6 +27,8 @@ class HotLayout:
         self._contiguous_key = None  # layout key when every live sequence was found contiguous
         self._stuck_key = None  # (layout key, pins) when nothing could be repaired
         self._repairing: tuple[int, int] | None = None  # the sequence compaction works on
+        self._repair_moves: dict[tuple[int, int], int] = {}  # moves spent on each unfinished repair
+        self._given_up: dict[tuple[int, int], int] = {}  # sequence -> free hot slots when given up
 
     def note_layout_change(self) -> None:
         """A hot block landed somewhere its sequence may not continue (see the module docstring)."""
@@ -90,40 +93,67 @@ class HotLayout:
                     "contiguity": sum(values) / len(values) if values else 1.0,
                     "contiguity_min": min(values, default=1.0)}
 
-    def plan_compaction(self, max_moves: int) -> Plan | None:
+    def plan_compaction(self, max_moves: int, spend: bool = True) -> Plan | None:
         """Moves within the hot tier, each to a free slot, toward every live chat's hot blocks
         in consecutive slots in token order (scheduler/compaction.py); None when nothing needs
-        or can get repair now. For the mover, which calls it whenever it has nothing else to do."""
+        or can get repair now. For the mover, which calls it whenever it has nothing else to do
+        (`spend` False: only asking, the moves are not made).
+
+        A sequence whose repair has taken more moves than `_repair_budget` without making it
+        contiguous is given up (so compaction can never churn forever) until the hot pool has
+        more free slots than then, or the set of chats changes."""
         with self.lock:
             if not self.is_bound or self._closed or not self.pools[HOT].num_slots:
                 return None
             layout_key = self._layout_key()
             if layout_key == self._contiguous_key:
                 return None
-            stuck_key = (layout_key, self._pins_key())
+            stuck_key = (layout_key, self._pins_key(), tuple(self._given_up))
             if stuck_key == self._stuck_key:
                 return None
             pool = self.pools[HOT]
             rows = self._row_layouts()
             if all(row.longest_run() == row.num_blocks for row in rows):
                 self._contiguous_key = layout_key
+                self._repair_moves.clear()
+                self._given_up.clear()
                 return None
+            self._forget_repairs(rows, pool.num_free)
             settings = self.config.scheduler
             result = plan_compaction(
                 self._hot_block_at(), rows, self._pinned_now(), self._shared_hot_blocks(rows),
                 pool_fragmentation=fragmentation(pool.num_free, pool.largest_free_run()),
                 max_fragmentation=settings.max_fragmentation, min_contiguity=settings.min_contiguity,
-                max_moves=max_moves, prefer=self._repairing)
+                max_moves=max_moves, prefer=self._repairing, skip=frozenset(self._given_up))
             self._repairing = result.repairing
             if not result.moves:
                 if not result.waiting:
                     self._stuck_key = stuck_key
                 return None
+            if spend:
+                spent = self._repair_moves.get(result.repairing, 0) + len(result.moves)
+                self._repair_moves[result.repairing] = spent
+                if spent > self._repair_budget(rows):
+                    self._given_up[result.repairing] = pool.num_free
+                    self._repairing = None
             return Plan(moves=result.moves)
 
     def compaction_pending(self) -> bool:
         """The mover would find compaction work now."""
-        return self.plan_compaction(1) is not None
+        return self.plan_compaction(1, spend=False) is not None
+
+    @staticmethod
+    def _repair_budget(rows: list[RowLayout]) -> int:
+        """Moves one repair may take: the sequence twice over, and the longest one moved aside
+        for it at each level it may open room (see scheduler/compaction.py)."""
+        return (2 + MAX_OPEN_DEPTH) * max(row.num_blocks for row in rows)
+
+    def _forget_repairs(self, rows: list[RowLayout], num_free: int) -> None:
+        """Sequences now contiguous start afresh; given-up ones get another chance once the pool
+        has more free slots than when they were given up (or they are gone)."""
+        live = {row.key for row in rows if row.longest_run() < row.num_blocks}
+        self._repair_moves = {key: n for key, n in self._repair_moves.items() if key in live}
+        self._given_up = {key: free for key, free in self._given_up.items() if key in live and num_free <= free}
 
     def _hot_block_at(self) -> list[int]:
         """The block in each hot slot: NO_BLOCK when free, RESERVED when the pool holds it for
