@@ -94,6 +94,66 @@ def test_is_used_tracks_allocate_and_free():
     assert [pool.is_used(s) for s in range(3)] == [False, True, False]
 
 
+def test_take_marks_particular_slots_and_allocate_skips_them():
+    pool = SlotPool(6, "hot")
+    pool.take([2, 4])
+    assert (pool.num_used, pool.num_free) == (2, 4)
+    assert pool.free_order() == [0, 1, 3, 5]
+    with pytest.raises(ValueError, match=r"^hot: slot 4 cannot be taken \(out of range or in use\)$"):
+        pool.take([0, 4])
+    assert pool.free_order() == [0, 1, 3, 5]  # a refused take takes nothing
+    assert pool.allocate(3) == [0, 1, 3]
+    pool.free([4, 1])
+    assert pool.free_order() == [1, 4, 5]
+    assert pool.allocate(3) == [1, 4, 5]
+    assert pool.allocate(1) is None
+
+
+def test_allocate_run_continues_after_a_slot_or_places_a_new_run_where_both_can_grow():
+    pool = SlotPool(12, "hot")
+    assert pool.allocate_run(3) == [0, 1, 2]  # an empty pool: from its start
+    assert pool.allocate_run(2) == [6, 7]  # the middle of free slots 3..11: room for both runs
+    assert pool.allocate_run(2, after=2) == [3, 4]  # the first run grows in place
+    assert pool.allocate_run(1, after=7) == [8]
+    assert pool.allocate_run(2, after=4) == [9, 10]  # slot 6 is taken: the largest free run, 9..11
+    assert pool.allocate_run(2, after=8) is None  # only single free slots are left (5 and 11)
+    assert pool.free_runs()[0].tolist() == [5, 11] and pool.largest_free_run() == 1
+    assert pool.allocate_run(0) == []
+    assert pool.free_order() == [5, 11]  # allocate still hands out the rest
+    assert pool.allocate(2) == [5, 11]
+
+
+def test_allocate_run_after_the_last_slot_or_a_full_run_looks_elsewhere():
+    pool = SlotPool(8)
+    assert pool.allocate_run(8) == list(range(8))
+    pool.free([7, 0, 1])
+    assert pool.allocate_run(1, after=7) == [0]  # nothing after slot 7: the largest free run
+    assert pool.allocate_run(1, after=6) == [7]
+    assert pool.allocate_run(2, after=-1) is None  # slot 0 is taken and no run of 2 is free
+    assert pool.allocate_run(1, after=-1) == [1]
+
+
+def test_allocate_runs_continues_in_place_as_far_as_it_can_then_fills_the_largest_runs():
+    pool = SlotPool(12)
+    assert pool.allocate_run(8) == list(range(8))
+    pool.free([2, 3, 5])
+    assert pool.allocate_runs(6, after=1) == [2, 3, 8, 9, 10, 11]
+    assert pool.free_order() == [5]
+    assert pool.allocate_runs(2) is None  # all or nothing
+    assert pool.allocate_runs(1, after=11) == [5]  # nothing after the last slot
+
+
+def test_many_takes_and_frees_keep_the_free_list_exact():
+    pool = SlotPool(5)
+    for _ in range(100):  # stale entries of taken slots never come back out of the free list
+        pool.take([1, 3])
+        pool.free([3, 1])
+    assert pool.free_order() == [1, 3, 0, 2, 4]
+    assert len(pool._free_stack) <= 2 * 5 + 64
+    assert pool.allocate(5) == [1, 3, 0, 2, 4]
+    assert pool.num_free == 0 and pool.largest_free_run() == 0
+
+
 # --- BlockIndex ------------------------------------------------------------------------------
 
 

@@ -471,7 +471,7 @@ def test_stats_report_every_tier(make_store):
     stats = store.stats()
     assert set(stats) == {"tiers", "hits", "misses", "bytes_moved", "link_saturation",  # today's keys, and
                           "hit_rate", "turn_blocks", "moves", "bytes_on_demand", "bytes_background",
-                          "critical_path", "scheduler"}
+                          "critical_path", "scheduler", "fragmentation", "contiguity", "contiguity_min"}
     assert stats["tiers"]["hot"] == {"used_blocks": 2, "capacity_blocks": 2, "used_bytes": 1024,
                                      "capacity_bytes": 1024, "device": "cpu"}
     assert stats["tiers"]["warm"] == {"used_blocks": 2, "capacity_blocks": 3, "used_bytes": 1024,
@@ -483,6 +483,7 @@ def test_stats_report_every_tier(make_store):
     assert stats["bytes_moved"] == NO_BYTES_MOVED
     assert isinstance(stats["link_saturation"], float)
     assert stats["link_saturation"] == 0.0
+    assert (stats["fragmentation"], stats["contiguity"], stats["contiguity_min"]) == (0.0, 1.0, 1.0)  # hot full, no chat
 
 
 def test_link_saturation_stays_in_unit_range_after_moves(make_store):

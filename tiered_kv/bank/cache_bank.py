@@ -281,6 +281,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         counts = tier_counts([self.store.placements(row.table) for row in self._rows])
         out["bank_blocks"] = {name: counts.get(tier, 0) for tier, name in enumerate(TIER_NAMES)}
         out["seq_tokens"] = self._seq_len
+        out["contiguity"] = self.store.contiguity([row.table for row in self._rows])
         out["store_critical_path"] = out["critical_path"]
         cp = self._critical_path
         out["critical_path"] = {"move_s": cp["demote_s"] + cp["promote_s"], **cp}

@@ -146,7 +146,10 @@ class Stepping:
                     step.tail_copies[r] = (tail, store.copy_block(tail))
                     self._block_set.add(step.tail_copies[r][1])
         needed = [blocks_needed(step.num_tokens, block_size, row.table) for row in self._rows]
-        new_ids = store.allocate(sum(needed))  # CapacityError with nothing changed
+        # each row's new blocks continue its last block in the hot slab when they can (one slice)
+        tails = [step.tail_copies[r][1] if r in step.tail_copies else (row.table[-1] if row.table else None)
+                 for r, row in enumerate(self._rows)]
+        new_ids = store.allocate(sum(needed), follow=list(zip(needed, tails)))  # CapacityError with nothing changed
         for count in needed:
             step.new_blocks.append(new_ids[:count])
             self._block_set.update(new_ids[:count])

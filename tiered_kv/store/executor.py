@@ -89,6 +89,14 @@ class PlanExecutor:
     def apply(self, plan: Plan, batch_cold_moves: bool = True) -> list[int]:
         """Carry out a plan's moves in order. Returns the ids of blocks that failed a checksum
         while being moved; those are marked corrupt, keep no data, and must be recomputed."""
+        hot_slots = self._reserve_hot_run(plan.moves, batch_cold_moves)
+        try:
+            return self._apply_moves(plan, batch_cold_moves, hot_slots)
+        finally:
+            if hot_slots:  # reserved for moves not made
+                self.pools[HOT].free(list(hot_slots.values()))
+
+    def _apply_moves(self, plan: Plan, batch_cold_moves: bool, hot_slots: dict[int, int]) -> list[int]:
         corrupt: list[int] = []
         moves = list(plan.moves)
         while moves:
@@ -105,13 +113,27 @@ class PlanExecutor:
             if move.dst_tier == DROPPED:
                 self.evict(move.block_id)
                 continue
-            self._apply_one(move, entry, corrupt)
+            self._apply_one(move, entry, corrupt, hot_slots.pop(move.block_id, None))
             self._timed("demote" if move.dst_tier > move.src_tier else "promote", start_s)
         self.copy_engine.before_device_use()
         return corrupt  # durability is the cold tier's writer thread's: nothing waits for it here
 
-    def _apply_one(self, move: Move, entry, corrupt: list[int]) -> None:
-        dst_slot = self._allocate_slot(move.dst_tier, move)
+    def _reserve_hot_run(self, moves: list[Move], batch_cold_moves: bool) -> dict[int, int]:
+        """Consecutive hot slots for the plan's block-by-block moves into hot (a chat's history
+        coming up from warm), in ascending block id order: a chat's blocks were allocated in
+        token order, so they land in token order and attention reads them as one slice. Only
+        when hot has room for every move into it without the plan's own demotions."""
+        into_hot = [m for m in moves if m.dst_tier == HOT]
+        single = [m.block_id for m in into_hot if m.dst_slot is None and (m.src_tier != COLD or not batch_cold_moves)]
+        pool = self.pools[HOT]
+        if len(single) < 2 or len(into_hot) > pool.num_free or any(m.dst_slot is not None for m in into_hot):
+            return {}
+        slots = pool.allocate_run(len(single))
+        return dict(zip(sorted(single), slots)) if slots is not None else {}
+
+    def _apply_one(self, move: Move, entry, corrupt: list[int], dst_slot: int | None = None) -> None:
+        if dst_slot is None:
+            dst_slot = self._allocate_slot(move.dst_tier, move)
         try:
             self.copy_data(move.src_tier, entry.slot, move.dst_tier, dst_slot)
         except CorruptBlockError:
@@ -183,7 +205,9 @@ class PlanExecutor:
         corrupt: list[int] = []
         # destination slots in ascending order, in the batch's (file, usually token) order: a chat
         # promoted whole lands in consecutive hot slots, which attention then reads as one view
-        all_dst_slots = self.pools[dst_tier].allocate(len(batch))
+        all_dst_slots = self.pools[dst_tier].allocate_run(len(batch)) if dst_tier == HOT else None
+        if all_dst_slots is None:
+            all_dst_slots = self.pools[dst_tier].allocate(len(batch))
         if all_dst_slots is None:
             raise RuntimeError(f"plan is infeasible: {len(batch)} moves into {TIER_NAMES[dst_tier]} but it is full")
         all_dst_slots.sort()

@@ -36,6 +36,7 @@ class Reporting:
             out = {"tiers": tiers, "hits": dict(self.hits), "misses": self.misses,
                    "bytes_moved": dict(self.bytes_moved), "link_saturation": self.link_monitor.saturation()}
             out.update(self._scheduler_stats())
+            out.update(self.layout_stats())  # fragmentation, contiguity, contiguity_min (layout.py)
             return out
 
     def _scheduler_stats(self) -> dict:

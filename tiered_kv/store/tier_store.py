@@ -43,6 +43,7 @@ from ..tiers import ColdTier, HotTier, WarmTier
 from ..tiers.cold_files import ColdDirectory, open_cold_directory
 from .durability import Durability
 from .executor import PlanExecutor
+from .layout import HotLayout
 from .mover import Mover
 from .reporting import Reporting
 from .step_access import StepAccess
@@ -68,7 +69,7 @@ def _close_open_stores() -> None:
             log.warning("tiered_kv: closing a store at exit failed: %s", error)
 
 
-class TierStore(StepAccess, Durability, Reporting):
+class TierStore(StepAccess, Durability, Reporting, HotLayout):
     def __init__(self, config: Config | dict | str | None = None):
         self.config = load_config(config if config is not None else {})
         self.device = resolve_device(self.config.hot.device)
@@ -85,6 +86,7 @@ class TierStore(StepAccess, Durability, Reporting):
         self.scheduler = MemScheduler(settings, self.access_log)
         self.watermarks: Watermarks | None = None
         self._mover: Mover | None = None
+        self._init_layout()
         self.copy_engine = make_copy_engine(self.device)
         self.link_monitor = make_link_monitor(self.device)
         self._executor: PlanExecutor | None = None
@@ -187,11 +189,20 @@ class TierStore(StepAccess, Durability, Reporting):
         return self._executor.staging
 
     # ---- block lifecycle -------------------------------------------------------------------
-    def allocate(self, num_blocks: int, protect: frozenset[int] = frozenset()) -> list[int]:
+    def allocate(self, num_blocks: int, protect: frozenset[int] = frozenset(),
+                 follow: list[tuple[int, int | None]] | None = None) -> list[int]:
         """New blocks, placed as high as possible. Raises CapacityError (changing nothing) when
-        all tiers together cannot hold them, after waiting for running steps to unpin blocks."""
+        all tiers together cannot hold them, after waiting for running steps to unpin blocks.
+
+        `follow` says, per group of the new blocks in order, (how many, the block they continue
+        or None for a new sequence): a group's hot blocks then take consecutive hot slots, right
+        after that block's slot when those are free, else where a free run leaves room to grow
+        (SlotPool.allocate_run), so attention reads each sequence as one slice. Without it,
+        slots come from the free lists (most recently freed first)."""
         if num_blocks == 0:
             return []
+        if follow is not None and sum(count for count, _ in follow) != num_blocks:
+            raise ValueError(f"allocate: follow {follow} covers {sum(c for c, _ in follow)} blocks, not {num_blocks}")
         with self.lock:
             self._check_open()
             self.drain_deferred()
@@ -206,11 +217,38 @@ class TierStore(StepAccess, Durability, Reporting):
                     raise self._capacity_error(num_blocks)
                 self._step_ended.wait(remaining_s)
             self._executor.apply(plan)
+            tiers = plan.new_block_tiers
             block_ids = []
-            for tier in plan.new_block_tiers:
-                (slot,) = self.pools[tier].allocate(1)
-                block_ids.append(self.index.add(tier, slot))
+            for start, count, previous in self._groups(follow or [(num_blocks, None)]):
+                group_tiers = tiers[start:start + count]
+                hot_slots = self._hot_slots(group_tiers.count(HOT), previous, follow is not None)
+                for tier in group_tiers:
+                    slot = hot_slots.pop(0) if tier == HOT else self.pools[tier].allocate(1)[0]
+                    block_ids.append(self.index.add(tier, slot))
             return block_ids
+
+    @staticmethod
+    def _groups(follow: list[tuple[int, int | None]]):
+        start = 0
+        for count, previous in follow:
+            yield start, count, previous
+            start += count
+
+    def _hot_slots(self, num_slots: int, previous: int | None, as_run: bool) -> list[int]:
+        """Hot slots for a sequence's new blocks (the plan made room for them)."""
+        if not num_slots:
+            return []
+        pool = self.pools[HOT]
+        after = None
+        if previous is not None and previous in self.index:
+            entry = self.index.get(previous)
+            after = entry.slot if entry.tier == HOT else None
+        slots = pool.allocate_run(num_slots, after) if as_run else None
+        if slots is None:  # no run is long enough: as few pieces as the free slots allow
+            slots = pool.allocate_runs(num_slots, after) if as_run else pool.allocate(num_slots)
+        if after is None or slots[0] != after + 1:
+            self.note_layout_change()  # the sequence may not continue in place here
+        return slots
 
     def _capacity_error(self, num_blocks: int) -> CapacityError:
         referenced = sum(1 for _, e in self.index.items() if e.ref_count > 0)
@@ -224,6 +262,7 @@ class TierStore(StepAccess, Durability, Reporting):
         with self.lock:
             for block_id in block_ids:
                 self.index.incref(block_id)
+            self.note_layout_change()  # another table now holds these blocks
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference each. Unreferenced published blocks stay as reusable cache."""
@@ -267,6 +306,8 @@ class TierStore(StepAccess, Durability, Reporting):
                 found.append(block_id)
             for block_id in found:
                 self.index.incref(block_id)
+            if found:
+                self.note_layout_change()  # a table takes up blocks laid out for another
             return found
 
     def block_info(self, block_id: int):
@@ -304,13 +345,15 @@ class TierStore(StepAccess, Durability, Reporting):
                 self._mover.request_prefetch(owner, block_ids)
 
     def wait_for_background(self, timeout_s: float = 30.0) -> bool:
-        """Wait until the mover has no prefetch request and no move in flight (for tests and
-        benchmarks that need a settled store). True when settled within `timeout_s`."""
+        """Wait until the mover has no prefetch request, no move in flight and no compaction to
+        do (for tests and benchmarks that need a settled store). True when settled within
+        `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self.lock:
                 mover = self._mover
-                if mover is None or (not mover.pending_requests and not mover.in_flight):
+                if mover is None or (not mover.pending_requests and not mover.in_flight
+                                     and not self.compaction_pending()):
                     return True
                 mover.wake()
             time.sleep(0.005)
