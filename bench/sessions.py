@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--policies", default=",".join(ALLOWED_POLICIES), help="scheduler policies, comma-separated")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="call bank.prefetch() when a chat's think time starts")
-    parser.add_argument("--premium-chats", type=int, default=3,
+    parser.add_argument("--premium-chats", type=int, default=0,
                         help="chats (drawn with the seed) given --premium-cs; the rest get --standard-cs")
     parser.add_argument("--premium-cs", type=float, default=0.9, help="cost sensitivity of premium chats")
     parser.add_argument("--standard-cs", type=float, default=0.3, help="cost sensitivity of the other chats")
