@@ -105,9 +105,7 @@ class StepAccess:
             self._executor.free_quarantined()
             if read_host_tiers:
                 self.copy_engine.after_host_to_device()  # warm slots may be reused by the host next
-            self._step_ended.notify_all()
-            if self._mover is not None:
-                self._mover.wake()
+            self._step_ended.notify_all()  # the mover is not woken: it looks every mover_interval_s
 
     def touch(self, block_ids) -> None:
         with self.lock:
