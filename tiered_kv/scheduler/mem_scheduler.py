@@ -151,9 +151,12 @@ class _Simulation:
         dropped = self._drop_candidate(tier)
         if dropped is None:
             return False
-        self._record(Move(dropped, tier, DROPPED))
-        self.free[tier] += 1
+        self.drop(dropped, tier)
         return True
+
+    def drop(self, block_id: int, tier: int) -> None:
+        self._record(Move(block_id, tier, DROPPED))
+        self.free[tier] += 1
 
     def move(self, block_id: int, src_tier: int, dst_tier: int) -> None:
         self._record(Move(block_id, src_tier, dst_tier))
@@ -332,8 +335,7 @@ class MemScheduler:
                 if dst is not None:
                     sim.move(block_id, tier, dst)
                 elif index.get(block_id).ref_count == 0:
-                    sim._record(Move(block_id, tier, DROPPED))
-                    sim.free[tier] += 1
+                    sim.drop(block_id, tier)
                 else:
                     continue
                 used -= 1

@@ -162,10 +162,7 @@ class PlanExecutor:
             return
         self.index.move(block_id, dst_tier, dst_slot)
         self._count_move(src_tier, dst_tier)
-        self.bytes_moved[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += self.block_bytes
-        self.bytes_background += self.block_bytes
-        if HOT in (src_tier, dst_tier):
-            self.link_monitor.record(self.block_bytes)
+        self._count(src_tier, dst_tier, self.block_bytes, background=True)
         self.persist_if_published(block_id)
 
     def _allocate_slot(self, tier: int, move) -> int:
@@ -261,9 +258,12 @@ class PlanExecutor:
         if src_tier != dst_tier:  # a copy-on-write inside one tier moves nothing between tiers
             self._count(src_tier, dst_tier, self.block_bytes)
 
-    def _count(self, src_tier: int, dst_tier: int, num_bytes: int) -> None:
+    def _count(self, src_tier: int, dst_tier: int, num_bytes: int, background: bool = False) -> None:
         self.bytes_moved[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += num_bytes
-        self.bytes_on_demand += num_bytes
+        if background:
+            self.bytes_background += num_bytes
+        else:
+            self.bytes_on_demand += num_bytes
         if HOT in (src_tier, dst_tier):
             self.link_monitor.record(num_bytes)
 
