@@ -4,6 +4,7 @@ from .bank import CacheBank
 from .config import Config, load_config
 from .errors import BankClosedError, CapacityError, ConfigError, CorruptBlockError, LayoutError
 from .store import TierStore
+from . import hooks  # tiered_kv.hooks.install(model, bank): paged attention over the bank's blocks
 
 __all__ = [
     "CacheBank",
@@ -15,5 +16,6 @@ __all__ = [
     "CorruptBlockError",
     "LayoutError",
     "BankClosedError",
+    "hooks",
 ]
 __version__ = "0.1.0"

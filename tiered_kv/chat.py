@@ -16,6 +16,7 @@ from typing import TextIO
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from . import hooks
 from .bank import CacheBank
 from .config import Config
 from .scheduler import TIER_NAMES
@@ -137,6 +138,7 @@ def run_chat(
     out: TextIO | None = STDOUT,
     *,
     store: TierStore | None = None,
+    hooks_mode: str | None = "exact",
 ) -> list[dict]:
     """Chat through a CacheBank, one user message per turn, greedy decoding; return per-turn records.
 
@@ -144,6 +146,8 @@ def run_chat(
     Each record: turn, user, reply, prompt_tokens, reused_tokens, computed_tokens, new_tokens,
     seq_tokens, attach_s, ttft_s (turn start, attach included, to first new token),
     decode_tokens_per_s (tokens after the first / time after the first), turn_s, stats (bank.stats()).
+    `hooks_mode` "exact" / "merge" puts the bank under the model's attention (tiered_kv.hooks) for
+    the chat and takes it out after; None runs the bank as a plain transformers Cache.
     """
     user_messages = list(user_messages)
     if not user_messages:
@@ -161,6 +165,8 @@ def run_chat(
     max_positions = getattr(model.config, "max_position_embeddings", None)
 
     bank = CacheBank(model, cfg, store=store)
+    if hooks_mode is not None:
+        hooks.install(model, bank, mode=hooks_mode)
     records: list[dict] = []
     conversation: list[int] = []
     try:
@@ -184,6 +190,8 @@ def run_chat(
         if records:
             write(_summary(records))
     finally:
+        if hooks_mode is not None:
+            hooks.uninstall(model)
         bank.close()
     return records
 
@@ -263,7 +271,8 @@ def _summary(records: list[dict]) -> str:
         f"({100 * reused / max(prompt_tokens, 1):.0f}%)",
         f"TTFT: turn 1 {records[0]['ttft_s']:.2f} s, later turns mean "
         f"{sum(r['ttft_s'] for r in later) / len(later):.2f} s",
-        f"decode: mean {sum(decode_rates) / max(len(decode_rates), 1):.1f} tok/s",
+        f"decode: mean {sum(decode_rates) / max(len(decode_rates), 1):.1f} tok/s "
+        f"(attention: {'tiered_kv.hooks ' + last['hooks']['mode'] if last['hooks']['mode'] else 'sdpa over gathered K/V'})",
         f"block hits: {hits}; misses {last['misses']}",
         f"bytes moved: {moved}",
         f"tiers at end: {_tiers_text(last)}",

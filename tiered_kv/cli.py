@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="user messages, one per line (blank lines and lines starting with # are skipped); "
                            "the script repeats if --turns asks for more")
     chat.add_argument("--no-progress", action="store_true", help="no progress bar while loading the model")
+    chat.add_argument("--no-hooks", action="store_true",
+                      help="run the bank as a plain Cache (no tiered_kv.hooks paged attention), to compare")
+    chat.add_argument("--hooks-mode", choices=("exact", "merge"), default="exact",
+                      help="tiered_kv.hooks mode: exact (bitwise sdpa) or merge (per-tier partials merged by LSE)")
     _add_cold_commands(commands)
     return parser
 
@@ -121,7 +125,8 @@ def _chat(args: argparse.Namespace) -> int:
     except (ConfigError, ModelNotFoundError, OSError, ValueError) as exc:
         return _fail(exc, EXIT_USAGE)
     try:
-        run_chat(model, tokenizer, cfg, pick_messages(script, num_turns), args.max_new_tokens)
+        run_chat(model, tokenizer, cfg, pick_messages(script, num_turns), args.max_new_tokens,
+                 hooks_mode=None if args.no_hooks else args.hooks_mode)
     except ConfigError as exc:  # found when the store starts, e.g. cold.path in use by another process
         return _fail(exc, EXIT_USAGE)
     except (CapacityError, CorruptBlockError, LayoutError) as exc:

@@ -32,9 +32,12 @@ from . import forward_watch
 from .chat_ops import ChatOps
 from .stepping import Stepping
 from .rows import Row
+from .layer_reads import LayerReads, StepReads, StreamBuffers
 from .step import PlacementCache, RowInputs, Step, tier_counts
+from ..hooks.attention import LAYER_KEY
 
 _STEP_OWNER_IDS = itertools.count(1)
+_HOOK_MODES = {"tiered_kv_exact": "exact", "tiered_kv_merge": "merge"}  # hooks/install.py MODES
 
 
 class _BankLayer(CacheLayerMixin):
@@ -114,6 +117,8 @@ class CacheBank(Stepping, ChatOps, Cache):
         self._touched_order_version = -1
         self._forward_pins = None  # reads_host_tiers of a committed step still pinned until its forward ends
         self._closed = False
+        self._stream_buffers: StreamBuffers | None = None  # created by the first hooked step
+        self._hook_counts = dict.fromkeys(("layers_view", "layers_gathered", "layers_streamed", "layers_merged"), 0)
         if is_model:  # bind now, so attach() finds stored blocks before the first forward pass
             self._bind_store(getattr(model, "dtype", None) or next(model.parameters()).dtype)
 
@@ -132,6 +137,16 @@ class CacheBank(Stepping, ChatOps, Cache):
                                "(the step was rolled back); call the model again")
         step, store = self._step, self.store
         kv_new = torch.stack((key_states, value_states))  # [2, B, H, t, D]
+        seam = kwargs.get("kwargs")  # the dict the model passes on to its attention function
+        if isinstance(seam, dict):
+            if layer_idx == 0:
+                self._start_hooked_reads(step)
+            if step.reads is not None:  # tiered_kv.hooks: attention reads the blocks in place
+                with self._rolled_back_on_error(), store.lock:
+                    for r in range(kv_new.shape[1]):
+                        store.write_layer(layer_idx, step.write_runs[r], kv_new[:, r])
+                seam[LAYER_KEY] = LayerReads(step.reads, self, layer_idx, key_states, value_states)
+                return key_states, value_states  # committed once the last layer's attention is done
         with self._rolled_back_on_error(), store.lock:
             rows = []
             for r in range(kv_new.shape[1]):
@@ -234,6 +249,8 @@ class CacheBank(Stepping, ChatOps, Cache):
         other._placement_cache = PlacementCache()
         other._touched_order_version = -1
         other._forward_pins = None
+        other._stream_buffers = None
+        other._hook_counts = dict.fromkeys(self._hook_counts, 0)
         other._structure_changed()
         self.store.retain([b for row in other._rows for b in row.table])
         if other._owns_store:
@@ -249,6 +266,7 @@ class CacheBank(Stepping, ChatOps, Cache):
             self.truncate(0)
             self.store.forget_chat(self._step_owner)
         self._closed = True
+        self._stream_buffers = None
         if self._owns_store:
             self.store.drop_owner()
 
@@ -286,4 +304,33 @@ class CacheBank(Stepping, ChatOps, Cache):
         cp = self._critical_path
         out["critical_path"] = {"move_s": cp["demote_s"] + cp["promote_s"], **cp}
         out["cost_sensitivity"] = self.cost_sensitivity
+        # hooked steps: the two reused stream buffers, all the device memory beyond the hot budget
+        buffers = self._stream_buffers
+        out["hooks"] = {"mode": self.hooks_mode, "stream_buffers": 2,
+                        "stream_buffers_bytes": buffers.num_bytes if buffers is not None else 0, **self._hook_counts}
         return out
+
+    # ---- tiered_kv.hooks ---------------------------------------------------------------------
+    @property
+    def hooks_mode(self) -> str | None:
+        """"exact" / "merge" while the bank's model runs tiered_kv.hooks' attention, else None."""
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is None:
+            return None
+        return _HOOK_MODES.get(getattr(model.config, "_attn_implementation", None))
+
+    def _start_hooked_reads(self, step: Step) -> None:
+        """At layer 0 of a step whose forward the hooks see: attention will read in place."""
+        mode = self.hooks_mode
+        if mode is None or not step.hooked:
+            return
+        if self._stream_buffers is None:
+            self._stream_buffers = StreamBuffers(self.store.device, self.store.dtype)
+        with self._rolled_back_on_error():
+            step.reads = StepReads(self, step, mode, self._stream_buffers, self._hook_counts)
+
+    def _layer_attended(self, layer_idx: int) -> None:
+        """A hooked layer's attention finished; after the last one the step commits."""
+        if layer_idx == self.num_layers - 1 and self._step is not None and self._step.reads is not None:
+            self._step.reads.finish()
+            self._commit_step()

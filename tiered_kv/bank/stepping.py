@@ -199,6 +199,8 @@ class Stepping:
         step, self._step = self._step, None
         if step is None:
             return
+        if step.reads is not None:
+            step.reads.finish()  # no fetch may still read blocks about to be released
         store = self.store
         with store.lock:
             store.end_step(self._step_owner)

@@ -7,6 +7,8 @@ so the step's token mapping stays valid while the model computes without the loc
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -61,15 +63,32 @@ class StepAccess:
     def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:
         """One layer's K/V of the mapped tokens. A slice that fails its check marks its block
         corrupt (never served; banks holding it drop it and recompute) before the error goes up."""
-        with self.lock:
-            try:
-                return self.mapper.read_layer(layer, runs, num_tokens)
-            except CorruptBlockError as error:
-                block_id = self._block_at(getattr(error, "tier", None), getattr(error, "slot", None))
-                if block_id is not None:
-                    self._executor.mark_corrupt(block_id)
-                    error.block_id = block_id
-                raise
+        with self.lock, self._corrupt_blocks_marked():
+            return self.mapper.read_layer(layer, runs, num_tokens)
+
+    def read_runs_into(self, layer: int, items: list) -> None:
+        """For each `(run, out, positions)`: copy one layer's K/V of the run's tokens into `out`
+        (`[2, H, n, D]`, a stream buffer's slice), at `positions` along the token axis, or in
+        order when positions is None. Corrupt slices are marked as in read_layer."""
+        with self.lock, self._corrupt_blocks_marked():
+            for run, out, positions in items:
+                self.mapper.read_into(layer, run, out, positions)
+
+    def read_run(self, layer: int, run: TierRun) -> torch.Tensor:
+        """`[2, H, n, D]` of one run: a view of the slab for a hot slice (no copy)."""
+        with self.lock, self._corrupt_blocks_marked():
+            return self.mapper.read_run(layer, run)
+
+    @contextlib.contextmanager
+    def _corrupt_blocks_marked(self):
+        try:
+            yield
+        except CorruptBlockError as error:
+            block_id = self._block_at(getattr(error, "tier", None), getattr(error, "slot", None))
+            if block_id is not None:
+                self._executor.mark_corrupt(block_id)
+                error.block_id = block_id
+            raise
 
     def _block_at(self, tier, slot) -> int | None:
         """The block at (tier, slot): a scan, on the rare path of a failed read only."""

@@ -45,6 +45,7 @@ from .durability import Durability
 from .executor import PlanExecutor
 from .layout import HotLayout
 from .mover import Mover
+from .stream_worker import StreamWorker
 from .reporting import Reporting
 from .step_access import StepAccess
 from .token_map import TierRun, TokenMapper
@@ -86,6 +87,7 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
         self.scheduler = MemScheduler(settings, self.access_log)
         self.watermarks: Watermarks | None = None
         self._mover: Mover | None = None
+        self._stream_worker: StreamWorker | None = None  # started by the first hooked step that streams
         self._init_layout()
         self.copy_engine = make_copy_engine(self.device)
         self.link_monitor = make_link_monitor(self.device)
@@ -434,11 +436,24 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
         if last:
             self.close()
 
+    @property
+    def stream_worker(self) -> StreamWorker:
+        """The thread (and CUDA side stream) that fetches hooked steps' layers ahead."""
+        with self.lock:
+            self._check_open()
+            if self._stream_worker is None:
+                self._stream_worker = StreamWorker(self.device)
+            return self._stream_worker
+
     def close(self) -> None:
         mover = self._mover
         if mover is not None:
             # its batch in progress needs the lock to commit: wait for it unless we hold the lock
             mover.stop(wait=not self.lock._is_owned())
+        worker = self._stream_worker
+        if worker is not None:  # a fetch in flight reads under the lock: same rule
+            if not self.lock._is_owned():
+                worker.close()
         with self.lock:
             if self._closed:
                 return

@@ -87,6 +87,19 @@ class TokenMapper:
             out.index_copy_(2, run.positions, data.to(self.device, non_blocking=True))
         return out
 
+    def read_run(self, layer: int, run: TierRun) -> torch.Tensor:
+        """One run's `[2, H, n, D]` on the compute device (a view for a hot slice)."""
+        data = self._read_tokens(run.tier, layer, run.index)
+        return data if run.tier == HOT else data.to(self.device, non_blocking=True)
+
+    def read_into(self, layer: int, run: TierRun, out: torch.Tensor, positions: torch.Tensor | None) -> None:
+        """Copy one run's `[2, H, n, D]` into `out`, at `positions` along the token axis or whole."""
+        data = self._read_tokens(run.tier, layer, run.index)
+        if positions is None:
+            out.copy_(data, non_blocking=True)
+        else:
+            out.index_copy_(2, positions, data.to(self.device, non_blocking=True))
+
     def _read_tokens(self, tier: int, layer: int, index) -> torch.Tensor:
         if tier != HOT:
             self.copy_engine.before_host_read()

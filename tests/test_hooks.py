@@ -1,0 +1,278 @@
+"""tiered_kv.hooks: attention reads the bank's blocks in place (issue 8).
+
+exact mode must give logits bitwise equal to transformers' sdpa over a DynamicCache, and greedy /
+beam / left-padded tokens equal to it in every tier configuration; merge mode equal tokens and
+logits within float tolerance. The per-layer tallies in stats()["hooks"] prove which path ran
+(view, gathered, streamed a layer ahead, merged), so a silent fallback cannot pass these tests.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import tiered_kv
+from tiered_kv import hooks
+from helpers import TIER_KINDS, VOCAB, flip_cold_byte, rand_ids, tier_config, tiny_model
+
+MODES = ("exact", "merge")
+
+
+@pytest.fixture
+def model():
+    m = tiny_model("llama")
+    yield m
+    hooks.uninstall(m)
+
+
+def _turn_ids(seed: int, length: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits_per_step(model, cache, ids, steps: int) -> list[torch.Tensor]:
+    """Prefill `ids`, then `steps` greedy one-token forwards; the logits of each forward."""
+    out = []
+    with torch.no_grad():
+        logits = model(ids, cache=cache, use_cache=True).logits
+        out.append(logits)
+        for _ in range(steps):
+            token = logits[:, -1:].argmax(-1)
+            logits = model(token, cache=cache, use_cache=True).logits
+            out.append(logits)
+    return out
+
+
+@pytest.mark.parametrize("kind", TIER_KINDS)
+def test_exact_logits_are_bitwise_equal_to_sdpa(kind, model, tmp_path):
+    assert model.config._attn_implementation == "sdpa"
+    expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(1, 23), 6)
+    bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path))
+    hooks.install(model, bank)
+    got = _logits_per_step(model, bank, _turn_ids(1, 23), 6)
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
+    counts = bank.stats()["hooks"]
+    assert counts["mode"] == "exact"
+    if kind == "all_hot":
+        assert counts["layers_view"] > 0 and counts["layers_streamed"] == 0
+    else:  # history below hot: fetched a layer ahead by the stream worker
+        assert counts["layers_streamed"] > 0
+    bank.close()
+
+
+@pytest.mark.parametrize("kind", ("forces_warm", "forces_cold"))
+def test_merge_logits_match_sdpa_within_float_tolerance(kind, model, tmp_path):
+    expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(2, 23), 6)
+    bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path))
+    hooks.install(model, bank, mode="merge")
+    got = _logits_per_step(model, bank, _turn_ids(2, 23), 6)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    counts = bank.stats()["hooks"]
+    assert counts["mode"] == "merge" and counts["layers_merged"] > 0
+    bank.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", TIER_KINDS)
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "mistral"))
+def test_greedy_multiturn_with_hooks_matches_dynamic_cache(arch, kind, mode, tmp_path):
+    model = tiny_model(arch)
+    bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path))
+    hooks.install(model, bank, mode=mode)
+    dynamic = DynamicCache(config=model.config)
+    ids = _turn_ids(0, 13)
+    for turn in range(3):
+        bank.attach(ids)
+        out_bank = model.generate(ids, cache=bank, attention_mask=torch.ones_like(ids), max_new_tokens=9,
+                                  do_sample=False)
+        hooks.uninstall(model)  # the reference runs plain sdpa
+        out_dyn = model.generate(ids, cache=dynamic, attention_mask=torch.ones_like(ids), max_new_tokens=9,
+                                 do_sample=False)
+        hooks.install(model, bank, mode=mode)
+        assert torch.equal(out_bank, out_dyn), f"turn {turn}: {out_bank.tolist()} != {out_dyn.tolist()}"
+        ids = torch.cat([out_bank, _turn_ids(turn + 1, 6)], 1)
+    counts = bank.stats()["hooks"]
+    assert sum(v for k, v in counts.items() if k.startswith("layers_")) > 0
+    hooks.uninstall(model)
+    bank.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", TIER_KINDS)
+def test_beam_search_with_hooks_matches_dynamic_cache(kind, mode, model, tmp_path):
+    ids = _turn_ids(7, 11)
+    config = tier_config(kind, tmp_path)
+    if kind == "forces_cold":
+        config["cold"]["capacity_blocks"] = 64
+    kwargs = dict(max_new_tokens=8, num_beams=2, do_sample=False, early_stopping=True)
+    expected = model.generate(ids, cache=DynamicCache(config=model.config), **kwargs)
+    bank = tiered_kv.CacheBank(model, config)
+    hooks.install(model, bank, mode=mode)
+    assert torch.equal(model.generate(ids, cache=bank, **kwargs), expected)
+    assert bank.stats()["hooks"]["layers_gathered"] + bank.stats()["hooks"]["layers_streamed"] > 0  # 2 rows
+    bank.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", TIER_KINDS)
+def test_left_padded_batch_with_hooks_matches_dynamic_cache(kind, mode, model, tmp_path):
+    a, b = _turn_ids(11, 12), _turn_ids(12, 7)
+    ids = torch.cat([a, torch.cat([torch.zeros(1, 5, dtype=torch.long), b], 1)], 0)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    expected = model.generate(ids, cache=DynamicCache(config=model.config), attention_mask=mask, max_new_tokens=7,
+                              do_sample=False)
+    bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path))
+    hooks.install(model, bank, mode=mode)
+    assert torch.equal(model.generate(ids, cache=bank, attention_mask=mask, max_new_tokens=7, do_sample=False),
+                       expected)
+    bank.close()
+
+
+def test_stream_buffers_are_two_layers_of_one_chat_and_reused(model, tmp_path):
+    """Beyond the hot budget the hooks use exactly two buffers of one layer's K/V, grown (by a
+    quarter at least) only when the chat outgrows them, never allocated per step."""
+    bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
+    hooks.install(model, bank)
+    ids = _turn_ids(3, 30)
+    new_tokens = 40
+    model.generate(ids, cache=bank, max_new_tokens=new_tokens, do_sample=False)
+    layout = bank.store.layout
+    tokens = bank.get_seq_length()
+    one_layer_bytes = 2 * layout.num_kv_heads * tokens * layout.head_dim * 4  # K and V, fp32
+    used = bank.stats()["hooks"]["stream_buffers_bytes"]
+    assert one_layer_bytes <= used <= 2 * 1.25 * one_layer_bytes + 64
+    # 40 steps grew the chat from 30 to 70 tokens: the first allocation, then growth by >= 25%
+    # (30 -> 37 -> 46 -> 58 -> 72) is at most 5 per buffer for 80 streamed layers
+    assert bank.stats()["hooks"]["layers_streamed"] >= new_tokens * 2
+    assert bank._stream_buffers.num_allocations <= 2 * 5
+    bank.close()
+
+
+def test_a_corrupt_cold_block_is_never_served_through_the_stream_worker(model, tmp_path):
+    """A byte of a cold record rots between turns; the streamed read of that layer fails its
+    checksum: the step is rolled back and the bank cut before the block; the retry recomputes it
+    and equals DynamicCache."""
+    bank = tiered_kv.CacheBank(model, tier_config("forces_cold", tmp_path))
+    hooks.install(model, bank)
+    ids = rand_ids(5, 30)
+    out = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
+    store = bank.store
+    cold = [b for b in bank.block_table(0) if store.index.get(b).tier == 2]
+    assert cold, "the config must have pushed history to cold"
+    victim = cold[-1]
+    position = bank.block_table(0).index(victim)
+    flip_cold_byte(store, victim, 1 * store.layout.layer_bytes + 3)  # layer 1: fetched by the worker
+    follow = torch.cat([out, rand_ids(6, 3)], 1)
+    with pytest.raises(tiered_kv.CorruptBlockError):
+        model.generate(follow, cache=bank, max_new_tokens=5, do_sample=False)
+    assert bank.get_seq_length() <= position * store.config.block_size
+    got = model.generate(follow, cache=bank, max_new_tokens=5, do_sample=False)  # the retry recomputes
+    hooks.uninstall(model)
+    assert torch.equal(got, model.generate(follow, max_new_tokens=5, do_sample=False))
+    bank.close()
+
+
+def test_banks_in_threads_share_a_hooked_model(model, tmp_path):
+    store = tiered_kv.TierStore(tier_config("forces_cold", tmp_path))
+    banks = [tiered_kv.CacheBank(model, store=store) for _ in range(2)]
+    hooks.install(model, banks[0])
+    prompts = [rand_ids(40 + i, 17 + 5 * i) for i in range(2)]
+    results, errors = [None, None], []
+
+    def chat(i):
+        try:
+            ids = prompts[i]
+            for turn in range(2):
+                ids = model.generate(ids, cache=banks[i], max_new_tokens=5, do_sample=False)
+                ids = torch.cat([ids, rand_ids(60 + turn, 4)], 1)
+            results[i] = ids
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    hooks.uninstall(model)
+    for i in range(2):
+        ids = prompts[i]
+        for turn in range(2):
+            ids = model.generate(ids, max_new_tokens=5, do_sample=False)
+            ids = torch.cat([ids, rand_ids(60 + turn, 4)], 1)
+        assert torch.equal(results[i], ids)
+    for bank in banks:
+        assert bank.stats()["hooks"]["layers_streamed"] + bank.stats()["hooks"]["layers_view"] > 0
+        bank.close()
+    store.close()
+
+
+def test_uninstall_restores_sdpa_and_the_bank_keeps_working(model, tmp_path):
+    bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
+    hooks.install(model, bank, mode="merge")
+    assert hooks.installed_mode(model) == "merge"
+    ids = _turn_ids(9, 15)
+    out = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
+    hooks.uninstall(model)
+    assert model.config._attn_implementation == "sdpa" and hooks.installed_mode(model) is None
+    before = dict(bank.stats()["hooks"])
+    follow = torch.cat([out, _turn_ids(10, 3)], 1)
+    got = model.generate(follow, cache=bank, max_new_tokens=4, do_sample=False)
+    assert bank.stats()["hooks"] == {**before, "mode": None}  # the hooked path no longer runs
+    assert torch.equal(got, model.generate(follow, max_new_tokens=4, do_sample=False))
+    bank.close()
+
+
+def test_a_later_set_attn_implementation_turns_the_hooks_off_never_wrong(model, tmp_path):
+    bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
+    hooks.install(model, bank)
+    model.set_attn_implementation("eager")
+    ids = _turn_ids(4, 12)
+    got = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
+    assert bank.stats()["hooks"]["mode"] is None
+    assert torch.equal(got, model.generate(ids, max_new_tokens=4, do_sample=False))
+    bank.close()
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+def test_sliding_window_models_are_refused_and_nothing_is_patched(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+    model = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=8))
+    bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))
+    before = model.config._attn_implementation
+    with pytest.raises(tiered_kv.LayoutError, match="'mistral'.*sliding"):
+        hooks.install(model, bank)
+    assert model.config._attn_implementation == before and hooks.installed_mode(model) is None
+    bank.close()
+
+
+def test_attention_layers_without_layer_idx_are_refused(model, tmp_path):
+    bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))
+    del model.model.layers[1].self_attn.layer_idx
+    with pytest.raises(tiered_kv.LayoutError, match="'llama'.*layer_idx"):
+        hooks.install(model, bank)
+    assert model.config._attn_implementation == "sdpa"
+    bank.close()
+
+
+def test_install_checks_mode_and_bank(model, tmp_path):
+    bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))
+    with pytest.raises(ValueError, match="allowed: \\['exact', 'merge'\\]"):
+        hooks.install(model, bank, mode="fast")
+    config_bank = tiered_kv.CacheBank(model.config, tier_config("all_hot", tmp_path / "b"))
+    with pytest.raises(ValueError, match="built from this model"):
+        hooks.install(model, config_bank)
+    with pytest.raises(TypeError, match="CacheBank"):
+        hooks.install(model, DynamicCache())
+    assert model.config._attn_implementation == "sdpa"
+    bank.close()
+    config_bank.close()

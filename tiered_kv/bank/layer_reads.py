@@ -1,0 +1,211 @@
+"""How a hooked step reads each layer's K/V for attention (tiered_kv.hooks), with layer streaming.
+
+With hooks installed, `CacheBank.update` writes the new K/V into their blocks and returns at
+once; the attention function then asks the step's `StepReads` (through a per-layer `LayerReads`
+handle left in the model's kwargs) for the layer's K/V:
+- a row whose tokens sit in consecutive hot slots: a zero-copy view of the hot slab;
+- otherwise one of two stream buffers the bank owns and reuses (layer i uses buffer i % 2):
+  the history is gathered into it, the new tokens are copied from the model's own K/V.
+When some of the history is below hot (the chat is bigger than the hot budget), the history of
+layer i+2 is fetched into its buffer by the store's stream worker (a thread; copies on a side
+CUDA stream on GPU) as soon as layer i's attention is done with that buffer, so lower-tier reads
+(warm copies, cold reads and their checksums) overlap the compute of the layers in between.
+The two buffers are all the device memory used beyond the hot tier's budget (`stats()`).
+
+merge mode asks for `parts()` instead: the hot run as a view, everything else gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CorruptBlockError
+from ..scheduler import HOT
+
+
+class StreamBuffers:
+    """Two flat device buffers reused by every step of one bank; they only grow."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self._flat: list[torch.Tensor | None] = [None, None]
+        self.num_allocations = 0
+
+    def get(self, index: int, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        flat = self._flat[index]
+        if flat is None or flat.numel() < numel:
+            grown = numel if flat is None else max(numel, flat.numel() + flat.numel() // 4)
+            flat = self._flat[index] = torch.empty(grown, dtype=self.dtype, device=self.device)
+            self.num_allocations += 1
+        return flat[:numel].view(shape)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self._flat if f is not None)
+
+    def release(self) -> None:
+        self._flat = [None, None]
+
+
+class StepReads:
+    """Per hooked step: what each layer's attention reads, and the prefetches in flight."""
+
+    def __init__(self, bank, step, mode: str, buffers: StreamBuffers, counts: dict):
+        store = bank.store
+        self.counts = counts  # the bank's per-layer tallies: view / gathered / streamed / merged
+        self.store, self.step, self.mode, self.buffers = store, step, mode, buffers
+        self.num_layers = bank.num_layers
+        self.num_rows = len(step.read_runs)
+        self.num_tokens = step.num_tokens
+        self.num_history = step.num_tokens - step.num_new_tokens
+        layout = store.layout
+        self._heads, self._dim = layout.num_kv_heads, layout.head_dim
+        runs = step.read_runs
+        self.is_view = self.num_rows == 1 and len(runs[0]) == 1 and runs[0][0].tier == HOT \
+            and runs[0][0].positions is None
+        self._split = None
+        self.streams = False
+        self._fetches: dict[int, object] = {}
+        self._error: BaseException | None = None
+        if self.is_view:
+            return
+        if mode == "merge" and self.num_rows == 1:
+            self._split = self._merge_split(runs[0], step.write_runs[0], store)
+        if self._split is not None:
+            hot_positions, self._gathered = self._split
+            self._buffer_shape = (2, 1, self._heads, int(sum(n for _, n, _ in self._gathered)), self._dim)
+        else:
+            rows = [store.map_range(*step.placements[r], 0, self.num_history) if self.num_history else []
+                    for r in range(self.num_rows)]
+            self._history_runs = rows
+            self._buffer_shape = (2, self.num_rows, self._heads, self.num_tokens, self._dim)
+        self.streams = any(run.tier != HOT for row in runs for run in row)
+        for index in range(2):
+            buffers.get(index, self._buffer_shape)  # grown here, never while a fetch runs
+        if self.streams:
+            for layer in range(min(2, self.num_layers)):
+                self._start_fetch(layer)
+
+    # ---- what attention asks for -----------------------------------------------------------
+    def full_kv(self, layer: int, key_new: torch.Tensor, value_new: torch.Tensor):
+        """`(K, V)`, each `[B, H, T, D]`, of this layer: a view, or a stream buffer."""
+        store, step = self.store, self.step
+        if self.is_view:
+            self.counts["layers_view"] += 1
+            kv = store.read_layer(layer, step.read_runs[0], self.num_tokens)
+            return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+        buffer = self._filled_buffer(layer, full=True)
+        buffer[0, :, :, self.num_history:].copy_(key_new)
+        buffer[1, :, :, self.num_history:].copy_(value_new)
+        return buffer[0], buffer[1]
+
+    def parts(self, layer: int):
+        """merge mode: `[(K, V, key positions)]` per part, or None when the step is not split."""
+        if self._split is None:
+            return None
+        hot_positions, _ = self._split
+        parts = []
+        self.counts["layers_merged"] += 1
+        if hot_positions is not None:
+            hot_run = next(run for run in self.step.read_runs[0] if run.tier == HOT)
+            kv = self.store.read_run(layer, hot_run)  # a view of the hot slab
+            parts.append((kv[0].unsqueeze(0), kv[1].unsqueeze(0), hot_positions))
+        buffer = self._filled_buffer(layer, full=False)
+        positions = torch.cat([p for _, _, p in self._gathered])
+        parts.append((buffer[0], buffer[1], positions))
+        return parts
+
+    def done(self, layer: int) -> None:
+        """Layer `layer`'s attention no longer needs its buffer: fetch layer + 2 into it."""
+        if self.streams and layer + 2 < self.num_layers and self._error is None:
+            self._start_fetch(layer + 2)
+
+    def finish(self) -> None:
+        """Wait for every fetch still in flight (before the step's blocks may be released)."""
+        for future in list(self._fetches.values()):
+            try:
+                future.result()
+            except BaseException:
+                pass
+        self._fetches.clear()
+
+    # ---- filling buffers ---------------------------------------------------------------------
+    def _filled_buffer(self, layer: int, full: bool) -> torch.Tensor:
+        buffer = self.buffers.get(layer % 2, self._buffer_shape)
+        self.counts["layers_streamed" if self.streams else "layers_gathered"] += 1
+        if self.streams:
+            future = self._fetches.pop(layer)
+            ready = future.result()  # re-raises a failed read (a corrupt block) here
+            self.store.stream_worker.wait_ready(ready)
+        else:
+            self._fill(layer, buffer)
+        return buffer
+
+    def _start_fetch(self, layer: int) -> None:
+        buffer = self.buffers.get(layer % 2, self._buffer_shape)
+        self._fetches[layer] = self.store.stream_worker.submit(self._fill, layer, buffer)
+
+    def _fill(self, layer: int, buffer: torch.Tensor) -> None:
+        """Gather the layer's history (or, split, its non-view tokens) into `buffer`."""
+        store = self.store
+        if self._split is not None:
+            store.read_runs_into(layer, [(run, buffer[:, 0, :, start:start + count], None)
+                                         for run, count, start in self._gathered_with_offsets()])
+            return
+        items = []
+        for r, runs in enumerate(self._history_runs):
+            row = buffer[:, r]
+            for run in runs:
+                items.append((run, row[:, :, :self.num_history] if run.positions is None else row, run.positions))
+        store.read_runs_into(layer, items)
+
+    def _gathered_with_offsets(self):
+        start = 0
+        for run, count, _ in self._gathered:
+            yield run, count, start
+            start += count
+
+    @staticmethod
+    def _merge_split(runs, write_runs, store):
+        """(hot positions or None, [(run, count, positions)] to gather) when attention can be
+        split at the hot run; None when the new tokens are not all in one hot slice with it."""
+        hot = [run for run in runs if run.tier == HOT and isinstance(run.index, slice)]
+        if not hot or any(run.tier != HOT for run in write_runs):
+            return None
+        others = [run for run in runs if run is not hot[0]]
+        if not others:
+            return None
+        gathered = []
+        for run in others:
+            count = len(run.positions)
+            gathered.append((run, count, run.positions))
+        return hot[0].positions, gathered
+
+
+class LayerReads:
+    """The handle one layer's attention gets (kwargs[LAYER_KEY]); see StepReads."""
+
+    __slots__ = ("_step_reads", "_bank", "layer", "_key", "_value", "num_tokens")
+
+    def __init__(self, step_reads: StepReads, bank, layer: int, key_new, value_new):
+        self._step_reads, self._bank, self.layer = step_reads, bank, layer
+        self._key, self._value = key_new, value_new
+        self.num_tokens = step_reads.num_tokens
+
+    def full_kv(self):
+        with self._bank._rolled_back_on_error():
+            return self._step_reads.full_kv(self.layer, self._key, self._value)
+
+    def parts(self):
+        with self._bank._rolled_back_on_error():
+            return self._step_reads.parts(self.layer)
+
+    def done(self) -> None:
+        self._step_reads.done(self.layer)
+        self._bank._layer_attended(self.layer)
+
+
+__all__ = ["StreamBuffers", "StepReads", "LayerReads", "CorruptBlockError"]

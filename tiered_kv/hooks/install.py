@@ -1,0 +1,108 @@
+"""Putting a bank under a model's attention: `install(model, bank)` and `uninstall(model)`.
+
+transformers 5.24's seam (DESIGN.md, "Facts about the dependencies"): an attention function
+registered with `AttentionInterface` under a name, the sdpa mask function registered under the
+same name with `AttentionMaskInterface` (without it the causal and padding masks are silently
+None), then `model.set_attn_implementation(name)`. Llama-style attention calls
+`cache.update(k, v, layer_idx, kwargs=kwargs)` and then the attention function with the same
+`kwargs` dict, so the bank leaves a `LayerReads` handle in that dict and the attention
+function reads the layer's K/V in place (attention.py).
+
+Only what can be served is patched: every attention module needs a `layer_idx`, and layers
+that are not plain full causal attention (sliding window, hybrid linear/recurrent layers) are
+refused with a LayoutError naming the model type, before anything changes.
+"""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..errors import LayoutError
+from .attention import exact_attention, merge_attention
+
+MODES = {"exact": ("tiered_kv_exact", exact_attention), "merge": ("tiered_kv_merge", merge_attention)}
+IMPLEMENTATION_NAMES = {name for name, _ in MODES.values()}
+_STATE_ATTR = "_tiered_kv_hooks"
+
+for _name, _function in MODES.values():
+    AttentionInterface.register(_name, _function)
+    AttentionMaskInterface.register(_name, sdpa_mask)
+
+
+class HookState:
+    """What install() changed on a model, to undo it. Which banks are served is not kept: every
+    bank built from the model sees, at each step, whether the model runs one of our attention
+    functions (CacheBank.hooks_mode), so a later set_attn_implementation turns it off, never wrong."""
+
+    def __init__(self, mode: str, previous_implementation):
+        self.mode = mode
+        self.previous_implementation = previous_implementation
+
+
+def install(model, bank, mode: str = "exact") -> None:
+    """Serve `model`'s attention from `bank`'s blocks in place.
+
+    mode="exact" (default): attention is transformers' own sdpa over the layer's K/V, read as a
+    zero-copy view when the row's blocks are consecutive hot slots and gathered into a buffer
+    the bank reuses otherwise; logits are bitwise equal to sdpa over a DynamicCache.
+    mode="merge": one partial attention per tier part (hot view, lower-tier buffer), merged by
+    their log-sum-exp; equal to ~1e-6 relative, not bitwise (see README, "Hooks").
+    """
+    if mode not in MODES:
+        raise ValueError(f"tiered_kv.hooks.install(mode={mode!r}): allowed: {sorted(MODES)}")
+    if not hasattr(bank, "_start_hooked_reads"):
+        raise TypeError(f"tiered_kv.hooks.install: `bank` must be a tiered_kv.CacheBank; got {type(bank).__name__}")
+    if bank._model_ref is None or bank._model_ref() is not model:
+        raise ValueError("tiered_kv.hooks.install: the bank must be built from this model (CacheBank(model, cfg)); "
+                         "a bank built from a config alone cannot see the model's forward passes")
+    check_servable(model)
+    state = getattr(model, _STATE_ATTR, None)
+    previous = state.previous_implementation if state is not None else model.config._attn_implementation
+    model.set_attn_implementation(MODES[mode][0])
+    if model.config._attn_implementation != MODES[mode][0]:
+        raise LayoutError(f"tiered_kv.hooks.install: {type(model).__name__} did not accept a custom attention "
+                          "implementation (it does not use transformers' AttentionInterface); nothing was patched")
+    object.__setattr__(model, _STATE_ATTR, HookState(mode, previous))
+
+
+def uninstall(model) -> None:
+    """Give `model` back the attention implementation it had before install()."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return
+    if state.previous_implementation is not None:
+        model.set_attn_implementation(state.previous_implementation)
+    object.__setattr__(model, _STATE_ATTR, None)
+
+
+def installed_mode(model) -> str | None:
+    """"exact" or "merge" while hooks are installed and active on `model`, else None."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return next((mode for mode, (name, _) in MODES.items() if name == implementation), None)
+
+
+def check_servable(model) -> None:
+    """LayoutError naming the model type when the hooks cannot serve this architecture."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", type(model).__name__)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        others = sorted({t for t in layer_types if t != "full_attention"})
+        if others:
+            raise LayoutError(f"tiered_kv.hooks cannot serve model type {model_type!r}: it has {others} layers "
+                              "(only full causal attention is served today); nothing was patched")
+    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
+        raise LayoutError(f"tiered_kv.hooks cannot serve model type {model_type!r}: sliding-window attention "
+                          f"(sliding_window={text_config.sliding_window}); nothing was patched")
+    attention_modules = [m for name, m in model.named_modules()
+                         if name.endswith(("self_attn", "attention")) and hasattr(m, "forward")
+                         and (hasattr(m, "q_proj") or hasattr(m, "qkv_proj") or hasattr(m, "layer_idx"))]
+    if not attention_modules:
+        raise LayoutError(f"tiered_kv.hooks cannot serve model type {model_type!r}: no attention modules "
+                          "(`*.self_attn`) found; nothing was patched")
+    missing = [type(m).__name__ for m in attention_modules if not isinstance(getattr(m, "layer_idx", None), int)]
+    if missing:
+        raise LayoutError(f"tiered_kv.hooks cannot serve model type {model_type!r}: attention layers "
+                          f"{sorted(set(missing))} have no integer `layer_idx`; nothing was patched")
