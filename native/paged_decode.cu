@@ -114,7 +114,8 @@ __device__ __forceinline__ void paged_decode_impl(TKV_DECODE_PARAMS(T)) {
         weights[w] = warp_max[w] == tkv_neg_inf() ? 0.0f : expf(warp_max[w] - m_all);
         l_all += warp_sum[w] * weights[w];
     }
-    const bool empty = m_all == tkv_neg_inf();
+    // empty means no position at all; a row whose scores are all NaN is not empty (it stays NaN)
+    const bool empty = end <= start;
     const long long row = (long long)b * num_q_heads + h;
     T* out_row = out + row * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {

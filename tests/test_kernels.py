@@ -8,7 +8,6 @@ cupy): each kernel against the torch reference over dtypes x block sizes x tiers
 
 from __future__ import annotations
 
-import math
 import re
 import shutil
 import subprocess

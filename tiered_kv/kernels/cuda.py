@@ -1,8 +1,8 @@
 """CUDA path of the native ops: the `.cu` files in native/, compiled at run time by cupy.
 
 Each wrapper is one contract check (contracts.py: metadata only, no sync) and one launch on
-torch's current stream, with raw pointers taken from the torch tensors (no copies, no cupy
-arrays). Modules are compiled once per process and file (cupy also keeps the binary in its
+torch's current stream (handed to cupy by `Stream.from_external`, or `ExternalStream` before
+cupy 14), with raw pointers taken from the torch tensors (no copies, no cupy arrays). Modules are compiled once per process and file (cupy also keeps the binary in its
 on-disk cache). cupy is imported lazily, so this module imports, and its checks run, without
 CUDA. Calls whose tensors are all on the CPU take the torch reference (same semantics).
 """
@@ -55,9 +55,28 @@ def _launch(file_name: str, kernel_name: str, grid: tuple, block: tuple, args: t
 
     with cupy.cuda.Device(device.index):
         kernel = _function(file_name, kernel_name)
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
-        with stream:
+        with _cupy_stream(device.index, torch.cuda.current_stream(device).cuda_stream):
             kernel(grid, block, args)
+
+
+class _StreamHandle:
+    """A raw cudaStream_t in the CUDA stream protocol (what cupy 14's Stream.from_external takes)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(device_index: int, handle: int):
+    """cupy's view of one of torch's streams (torch never frees its streams, so caching is safe)."""
+    import cupy
+
+    if hasattr(cupy.cuda.Stream, "from_external"):  # cupy >= 14 (ExternalStream is deprecated there)
+        return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+    return cupy.cuda.ExternalStream(handle, device_index)
 
 
 def _takes_cuda_path(*tensors: torch.Tensor) -> bool:
