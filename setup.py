@@ -1,3 +1,5 @@
+import glob
+
 from setuptools import find_packages, setup
 
 setup(
@@ -9,6 +11,10 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["tiered_kv", "tiered_kv.*"]),
     package_data={"tiered_kv": ["py.typed"]},
+    # native CUDA sources, compiled at run time by cupy: tiered_kv.kernels.native_dir() finds them
+    # here after a regular install (a checkout or editable install reads <repo>/native directly)
+    data_files=[("share/tiered_kv/native", sorted(glob.glob("native/*.cu") + glob.glob("native/*.cuh")
+                                                  + glob.glob("native/*.h") + glob.glob("native/*.md")))],
     install_requires=[
         "torch>=2.4",
         "numpy>=1.24",

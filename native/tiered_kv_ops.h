@@ -1,0 +1,86 @@
+// Device code (CUDA): declarations of tiered_kv's native ops and their layout contract.
+//
+// Loaded at run time by tiered_kv/kernels/cuda.py through cupy.RawModule (NVRTC): each
+// .cu file is one module; `#include "..."` of the files in this folder is inlined by the
+// loader, so this header and common.cuh use no system headers.
+//
+// Layout contract (checked in Python by tiered_kv/kernels/contracts.py BEFORE any launch):
+//
+//   K/V source (per layer, per source): a K tensor and a V tensor, each viewed as
+//     [num_slots, H_kv, block_size, D]; element strides (slot, head, token) are free
+//     (non-negative), the D stride is 1. Source 0 = hot slab on the device, 1 = warm slab
+//     in pinned host memory read through UVA, 2 = a device staging buffer. Every source of
+//     one call has the query's dtype and the same H_kv, block_size and D.
+//       hot slab  [L, 2, H, S*bs, D]: layer l's K = slab[l,0].view(H,S,bs,D).permute(1,0,2,3)
+//                 strides (bs*D, S*bs*D, D, 1)
+//       warm slab [S, L, 2, H, bs, D] pinned: layer l's K = slab[:, l, 0]
+//   query      [B, Hq, D], D stride 1, Hq = H_kv * groups (GQA: q head h reads kv head h / groups)
+//   block_table int32 [B, max_blocks], row stride free, column stride 1
+//   tier_tags  int8 or int32 [B, max_blocks] contiguous, or null (= all source 0)
+//   start_offsets, seq_lens int32 [B] contiguous: row b attends to logical positions
+//     p in [start_offsets[b], seq_lens[b]) (clamped to [0, max_blocks*block_size]);
+//     position p lives in block_table[b, p / bs] at token p % bs of source tier_tags[b, p / bs].
+//     Positions before start_offsets[b] are left padding and are never read.
+//   out        [B, Hq, D] contiguous, the query's dtype; lse float32 [B, Hq] contiguous,
+//     natural log of the sum of exp(scale * q.k). An empty row gives out 0 and lse -inf.
+//     A row whose table names a tag >= num sources or a slot outside its source gives NaN.
+//   Element types: float32, float16, bfloat16; accumulation in float32. D <= 256.
+//   Scalars: strides are long long (elements; bytes for the block copies), sizes int.
+//
+//   gather_blocks: dst[i] = src[slots[i]] for i < n; scatter_blocks: dst[slots[i]] = src[i].
+//     dst/src [N, H, block_size, D] any element type, element size `elem_bytes`, strides in
+//     BYTES, D contiguous; slots int32 [n] contiguous on the device. A copy unit is `vec`
+//     bytes (16, 8, 4, 2 or 1) and every address and stride is a multiple of it. A slot
+//     outside [0, num_slots) is skipped (never read or written out of bounds).
+//
+//   merge_states: two partial attentions over disjoint key sets, each (out [B, H, D] with D
+//     stride 1, lse float32 [B, H] contiguous), merged by their log-sum-exp:
+//       m = max(lse_a, lse_b); wa = exp(lse_a - m); wb = exp(lse_b - m)
+//       out = (wa * out_a + wb * out_b) / (wa + wb); lse = m + log(wa + wb)
+//     (both -inf: out 0, lse -inf). out is contiguous in out_a's dtype.
+
+#pragma once
+
+#define TKV_MAX_HEAD_DIM 256
+#define TKV_DECODE_THREADS 128
+#define TKV_MERGE_THREADS 128
+#define TKV_COPY_THREADS 128
+
+// paged_decode.cu: one thread block per (q head, row): grid (Hq, B), TKV_DECODE_THREADS threads.
+#define TKV_DECODE_PARAMS(T)                                                                   \
+    T* out, float* lse, const T* query, long long q_stride_b, long long q_stride_h,           \
+    const T* k0, const T* v0, long long k0_slot, long long k0_head, long long k0_tok,          \
+    long long v0_slot, long long v0_head, long long v0_tok, int num_slots0,                    \
+    const T* k1, const T* v1, long long k1_slot, long long k1_head, long long k1_tok,          \
+    long long v1_slot, long long v1_head, long long v1_tok, int num_slots1,                    \
+    const T* k2, const T* v2, long long k2_slot, long long k2_head, long long k2_tok,          \
+    long long v2_slot, long long v2_head, long long v2_tok, int num_slots2,                    \
+    int num_sources, const int* block_table, long long table_stride_b,                         \
+    const void* tier_tags, int tag_bytes, const int* start_offsets, const int* seq_lens,      \
+    int num_kv_heads, int groups, int head_dim, int block_size, int max_blocks, float scale
+
+struct tkv_half { unsigned short bits; };
+struct tkv_bf16 { unsigned short bits; };
+
+extern "C" __global__ void paged_decode_f32(TKV_DECODE_PARAMS(float));
+extern "C" __global__ void paged_decode_f16(TKV_DECODE_PARAMS(tkv_half));
+extern "C" __global__ void paged_decode_bf16(TKV_DECODE_PARAMS(tkv_bf16));
+
+// merge_states.cu: one thread block per (head, row): grid (H, B), TKV_MERGE_THREADS threads.
+#define TKV_MERGE_PARAMS(T)                                                                    \
+    T* out, float* lse, const T* out_a, long long a_stride_b, long long a_stride_h,            \
+    const float* lse_a, const T* out_b, long long b_stride_b, long long b_stride_h,            \
+    const float* lse_b, int num_heads, int head_dim
+
+extern "C" __global__ void merge_states_f32(TKV_MERGE_PARAMS(float));
+extern "C" __global__ void merge_states_f16(TKV_MERGE_PARAMS(tkv_half));
+extern "C" __global__ void merge_states_bf16(TKV_MERGE_PARAMS(tkv_bf16));
+
+// gather_blocks.cu / scatter_blocks.cu: one thread block per (list entry, head): grid (n, H).
+#define TKV_COPY_PARAMS                                                                        \
+    char* dst, const char* src, long long dst_slot, long long dst_head, long long dst_tok,     \
+    long long src_slot, long long src_head, long long src_tok, const int* slots, int num_slots,\
+    int block_size, int row_bytes, int vec
+
+extern "C" __global__ void gather_blocks(TKV_COPY_PARAMS);
+extern "C" __global__ void scatter_blocks(TKV_COPY_PARAMS);

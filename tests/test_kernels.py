@@ -1,0 +1,623 @@
+"""native/ kernels and their Python side (tiered_kv.kernels).
+
+CPU: every .cu compiles with nvcc (when on PATH); the torch reference matches sdpa over the
+dense K/V; merge/gather/scatter semantics; the layout contracts; the CUDA wrappers' launch
+arguments against the header (with a recording launcher, so nothing launches). GPU (CUDA +
+cupy): each kernel against the torch reference over dtypes x block sizes x tiers.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tiered_kv.errors import LayoutError
+from tiered_kv.kernels import backend, contracts, cuda, reference
+from tiered_kv.kernels.cases import TIERS, build_decode_case, make_sources
+from tiered_kv.kernels.selfcheck import max_abs_error, selfcheck
+from tiered_kv.kernels.sources import HEADER_NAME, KERNEL_FILES, native_dir, read_source
+
+NATIVE = native_dir()
+CU_FILES = sorted(p.name for p in NATIVE.glob("*.cu"))
+
+
+def _has_cupy() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+GPU = torch.cuda.is_available() and _has_cupy()
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs torch CUDA and cupy")
+
+
+# ---------------------------------------------------------------- native sources
+
+def test_native_folder_lists_one_kernel_per_file_and_declares_each():
+    assert CU_FILES == sorted(KERNEL_FILES), "every .cu file is registered in sources.KERNEL_FILES"
+    header = (NATIVE / HEADER_NAME).read_text()
+    assert header.splitlines()[0].startswith("// Device code (CUDA)")
+    for file_name, kernel_names in KERNEL_FILES.items():
+        text = (NATIVE / file_name).read_text()
+        assert text.splitlines()[0].startswith("// Device code (CUDA)"), file_name
+        defined = re.findall(r'extern "C" __global__ void (\w+)\(', text)
+        assert sorted(defined) == sorted(kernel_names), file_name
+        # instantiations of one kernel: a single template implementation, or a single plain kernel
+        assert len(re.findall(r"__device__ __forceinline__ void \w+_impl", text)) == (len(kernel_names) > 1)
+        for name in kernel_names:
+            assert re.search(rf'extern "C" __global__ void {name}\(', header), f"{name} not declared in the header"
+
+
+def test_read_source_inlines_local_includes_once():
+    text = read_source("paged_decode.cu")
+    assert not re.search(r"^\s*#\s*include", text, re.M)
+    assert text.count("struct tkv_half {") == 1  # header reached through two includes, inlined once
+    assert "paged_decode_impl" in text
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH (CUDA toolkit absent)")
+@pytest.mark.parametrize("file_name", CU_FILES)
+def test_cu_file_compiles_with_nvcc(file_name, tmp_path):
+    # the inlined text is exactly what NVRTC gets at run time; ptxas runs too (--cubin)
+    source = tmp_path / file_name
+    source.write_text(read_source(file_name))
+    cubin = tmp_path / "out.cubin"
+    result = subprocess.run(
+        ["nvcc", "-std=c++17", "-arch=sm_90", "--cubin", "-Werror", "all-warnings", "-o", str(cubin), str(source)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = cubin.read_bytes()
+    for name in KERNEL_FILES[file_name]:
+        assert name.encode() + b"\x00" in data, f"{name} missing from the cubin"
+
+
+# ---------------------------------------------------------------- reference vs sdpa
+
+def _expected(case):
+    """sdpa over the dense K/V (float32) and the float64 logsumexp of the scaled scores."""
+    q = case.query.float().cpu()
+    groups = q.shape[1] // case.keys.shape[1]
+    keys = case.keys.repeat_interleave(groups, dim=1)
+    values = case.values.repeat_interleave(groups, dim=1)
+    mask = case.valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, scale=case.scale)[:, :, 0]
+    scores = torch.einsum("bhd,bhtd->bht", q.double(), keys.double()) * case.scale
+    lse = torch.logsumexp(scores.masked_fill(~case.valid[:, None, :], float("-inf")), dim=-1)
+    return out, lse
+
+
+TIER_MIXES = [("hot",), ("hot", "warm"), ("hot", "warm", "staging")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("tiers", TIER_MIXES, ids=["+".join(t) for t in TIER_MIXES])
+@pytest.mark.parametrize("left_pad", [True, False], ids=["leftpad", "nopad"])
+@pytest.mark.parametrize("groups", [1, 3], ids=["mha", "gqa3"])
+def test_reference_paged_decode_matches_sdpa(dtype, block_size, tiers, left_pad, groups):
+    case = build_decode_case(dtype=dtype, block_size=block_size, tiers=tiers, left_pad=left_pad, groups=groups,
+                             head_dim=32, max_tokens=70, seed=block_size + groups)
+    out, lse = reference.paged_decode(*case.args())
+    want_out, want_lse = _expected(case)
+    assert out.dtype == dtype and out.shape == case.query.shape
+    assert lse.dtype == torch.float32 and lse.shape == case.query.shape[:2]
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), want_out.to(dtype).float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_case_spreads_blocks_over_every_tier_and_pads():
+    case = build_decode_case(tiers=("hot", "warm", "staging"), block_size=8, max_tokens=70, seed=1)
+    used = case.tier_tags[case.block_table >= 0]
+    assert set(used.tolist()) == {0, 1, 2}
+    assert int(case.start_offsets[0]) > 8 and int(case.block_table[0, 0]) == -1  # a whole padding block
+
+
+def test_reference_tags_none_int32_tags_and_empty_and_poisoned_rows():
+    case = build_decode_case(tiers=("hot",), block_size=8, batch=3, seed=2)
+    want_out, want_lse = reference.paged_decode(*case.args())
+    args = list(case.args())
+    args[3] = None  # no tags: every entry is source 0
+    out, lse = reference.paged_decode(*args)
+    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+    args[3] = case.tier_tags.to(torch.int32)
+    torch.testing.assert_close(reference.paged_decode(*args)[0], want_out, atol=0, rtol=0)
+
+    starts = case.start_offsets.clone()
+    starts[1] = case.seq_lens[1]  # row 1 empty
+    table = case.block_table.clone()
+    first_block = int(case.start_offsets[2]) // 8
+    table[2, first_block] = case.sources[0][0].shape[0]  # row 2 names a slot past its source
+    out, lse = reference.paged_decode(case.query, case.sources, table, case.tier_tags, starts, case.seq_lens,
+                                      case.scale)
+    torch.testing.assert_close(out[0], want_out[0], atol=0, rtol=0)
+    assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all())
+    assert bool(out[2].isnan().all()) and bool(lse[2].isnan().all())
+
+
+def test_reference_seq_lens_past_the_table_are_clamped():
+    case = build_decode_case(tiers=("hot",), block_size=8, batch=1, left_pad=False, max_tokens=16, seed=3)
+    table = case.block_table[:, :2].contiguous()  # exactly the row's two blocks
+    tags = case.tier_tags[:, :2].contiguous()
+    got = reference.paged_decode(case.query, case.sources, table, tags, case.start_offsets, case.seq_lens + 5,
+                                 case.scale)
+    want = reference.paged_decode(case.query, case.sources, table, tags, case.start_offsets, case.seq_lens,
+                                  case.scale)
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- merge_states
+
+def _split_runs(case, split: int, decode=reference.paged_decode):
+    """Row b over [start, split) and over [split, end): two disjoint partials of the same row."""
+    split_t = torch.full_like(case.seq_lens, split)
+    first = decode(case.query, case.sources, case.block_table, case.tier_tags, case.start_offsets,
+                   torch.minimum(split_t, case.seq_lens), case.scale)
+    second = decode(case.query, case.sources, case.block_table, case.tier_tags,
+                    torch.maximum(split_t, case.start_offsets), case.seq_lens, case.scale)
+    return first, second
+
+
+@pytest.mark.parametrize("split", [0, 9, 25, 50])
+def test_merge_of_two_split_runs_equals_full_attention(split):
+    case = build_decode_case(tiers=("hot", "warm"), block_size=8, max_tokens=50, groups=2, seed=4)
+    (out_a, lse_a), (out_b, lse_b) = _split_runs(case, split)
+    out, lse = reference.merge_states(out_a, lse_a, out_b, lse_b)
+    want_out, want_lse = reference.paged_decode(*case.args())
+    torch.testing.assert_close(out, want_out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=2e-6, rtol=1e-6)
+
+
+def test_merge_with_empty_sides():
+    out_a = torch.randn(1, 3, 4)
+    out_b = torch.randn(1, 3, 4)
+    lse_a = torch.tensor([[float("-inf"), 0.5, float("-inf")]])
+    lse_b = torch.tensor([[1.0, float("-inf"), float("-inf")]])
+    out, lse = reference.merge_states(out_a, lse_a, out_b, lse_b)
+    torch.testing.assert_close(out[0, 0], out_b[0, 0])
+    torch.testing.assert_close(out[0, 1], out_a[0, 1])
+    assert bool((out[0, 2] == 0).all())
+    torch.testing.assert_close(lse, torch.tensor([[1.0, 0.5, float("-inf")]]))
+
+
+# ---------------------------------------------------------------- gather / scatter
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16], ids=["fp32", "bf16", "int16"])
+def test_reference_gather_scatter_round_trip(tier, dtype):
+    gen = torch.Generator().manual_seed(5)
+    tag = TIERS.index(tier)
+    (layout, _), = make_sources(tag + 1, 10, 2, 8, 16, torch.float32, torch.device("cpu"), fill=0.0)[tag:]
+    slab = _like_layout(layout, dtype)  # the tier's slot strides, in `dtype`
+    slab.copy_((torch.randn(slab.shape, generator=gen) * 100).to(dtype))
+    slots = torch.tensor([7, 2, 9, 0], dtype=torch.int32)
+    staging = torch.zeros(6, 2, 8, 16, dtype=dtype)  # larger than the list: the tail is untouched
+    reference.gather_blocks(staging, slab, slots)
+    for i, slot in enumerate(slots.tolist()):
+        assert torch.equal(staging[i], slab[slot])
+    assert bool((staging[4:] == 0).all())
+
+    target = torch.zeros_like(slab)
+    reference.scatter_blocks(target, staging, slots)
+    for slot in range(slab.shape[0]):
+        want = slab[slot] if slot in slots.tolist() else torch.zeros_like(slab[slot])
+        assert torch.equal(target[slot], want), slot
+
+
+def _like_layout(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor of `dtype` with `view`'s shape and strides (a tier's slot layout), same memory kind."""
+    storage_numel = sum(s * (n - 1) for s, n in zip(view.stride(), view.shape)) + 1
+    pinned = view.device.type == "cpu" and contracts._is_pinned(view)
+    base = torch.zeros(storage_numel, dtype=dtype, device=view.device, pin_memory=pinned)
+    return base.as_strided(view.shape, view.stride())
+
+
+def test_reference_copies_reject_out_of_range_slots():
+    slab = torch.zeros(4, 1, 8, 4)
+    staging = torch.zeros(2, 1, 8, 4)
+    with pytest.raises(LayoutError, match=r"gather_blocks: `slots`.*\[0, 4\)"):
+        reference.gather_blocks(staging, slab, torch.tensor([1, 4], dtype=torch.int32))
+    with pytest.raises(LayoutError, match=r"scatter_blocks: `slots`"):
+        reference.scatter_blocks(slab, staging, torch.tensor([-1, 0], dtype=torch.int32))
+
+
+def test_copy_vector_bytes():
+    assert contracts.copy_vector_bytes(256, 0x1000, 4096, 512) == 16
+    assert contracts.copy_vector_bytes(24, 0x1000, 48) == 8
+    assert contracts.copy_vector_bytes(256, 0x1004, 4096) == 4
+    assert contracts.copy_vector_bytes(6, 0x1000, 6) == 2
+    assert contracts.copy_vector_bytes(3, 0x1000) == 1
+
+
+# ---------------------------------------------------------------- contracts
+
+def _decode_args(**changes):
+    case = build_decode_case(tiers=("hot", "warm"), block_size=8, batch=2, max_tokens=20, head_dim=16, seed=6)
+    args = dict(zip(["query", "sources", "block_table", "tier_tags", "start_offsets", "seq_lens", "scale"],
+                    case.args()))
+    for key, change in changes.items():
+        args[key] = change(args[key]) if callable(change) else change
+    return args
+
+
+def _replace_source(index, part, fn):
+    def change(sources):
+        sources = [list(pair) for pair in sources]
+        for which in (0, 1) if part is None else (part,):  # None: both k and v
+            sources[index][which] = fn(sources[index][which])
+        return [tuple(pair) for pair in sources]
+    return change
+
+
+BAD_DECODE = {
+    "query dtype": (dict(query=lambda q: q.double()), "query", "float32 or float16 or bfloat16"),
+    "query D stride": (dict(query=lambda q: q.transpose(1, 2).contiguous().transpose(1, 2)), "query", "D stride 1"),
+    "query head_dim": (dict(query=lambda q: torch.zeros(q.shape[0], q.shape[1], 300)), "query", "D <= 256"),
+    "GQA groups": (dict(query=lambda q: torch.zeros(q.shape[0], 3, q.shape[2])), "query", "multiple"),
+    "block_table int64": (dict(block_table=lambda t: t.long()), "block_table", "int32"),
+    "block_table 1-d": (dict(block_table=lambda t: t[0]), "block_table", "int32 [B, max_blocks]"),
+    "block_table rows": (dict(block_table=lambda t: t[:1]), "block_table", "int32 [2, max_blocks]"),
+    "tier_tags int16": (dict(tier_tags=lambda t: t.to(torch.int16)), "tier_tags", "int8 or int32"),
+    "tier_tags shape": (dict(tier_tags=lambda t: t[:, :1].contiguous()), "tier_tags", "[2, 4]"),
+    "start_offsets int64": (dict(start_offsets=lambda t: t.long()), "start_offsets", "int32 [2]"),
+    "seq_lens shape": (dict(seq_lens=lambda t: torch.zeros(3, dtype=torch.int32)), "seq_lens", "int32 [2]"),
+    "seq_lens not contiguous": (dict(seq_lens=lambda t: torch.zeros(4, dtype=torch.int32)[::2]), "seq_lens",
+                                "contiguous"),
+    "source dtype": (dict(sources=_replace_source(1, 0, lambda k: k.half())), "sources[1].k", "float32"),
+    "source D stride": (dict(sources=_replace_source(0, 0, lambda k: k.transpose(2, 3))), "sources[0].k",
+                        "D stride 1"),
+    "v shape": (dict(sources=_replace_source(0, 1, lambda v: v[:, :1])), "sources[0].v", "per slot"),
+    "v slots": (dict(sources=_replace_source(0, 1, lambda v: v[:-1])), "sources[0].v", "slots"),
+    "source 3-d": (dict(sources=_replace_source(1, 0, lambda k: k[0])), "sources[1].k", "[num_slots"),
+    "source device": (dict(sources=_replace_source(1, 0, lambda k: torch.empty(k.shape, device="meta"))),
+                      "sources[1].k", "on cpu"),
+    "source block size": (dict(sources=_replace_source(1, None, lambda k: k[:, :, :4])), "sources[1].k",
+                          "like `sources[0].k`"),
+    "four sources": (dict(sources=lambda s: list(s) * 2), "sources", "1 to 3"),
+    "source not a pair": (dict(sources=lambda s: [s[0][0]]), "sources[0]", "(k, v) pair"),
+    "scale nan": (dict(scale=float("nan")), "scale", "finite"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_DECODE)
+def test_paged_decode_contract_rejects(name):
+    changes, tensor, expected = BAD_DECODE[name]
+    args = _decode_args(**changes)
+    with pytest.raises(LayoutError, match=re.escape(f"paged_decode: `{tensor}` must be")) as info:
+        contracts.check_paged_decode(**args)
+    assert expected in str(info.value)
+    assert "; got " in str(info.value) or tensor in ("sources", "sources[0]", "scale")
+    with pytest.raises(LayoutError, match=re.escape(f"`{tensor}`")):  # the CPU path runs the same check
+        reference.paged_decode(**args)
+
+
+def test_paged_decode_contract_accepts_the_repo_layouts_and_names_cuda():
+    shape = contracts.check_paged_decode(**_decode_args())
+    assert (shape.batch, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.block_size) == (2, 4, 2, 16, 8)
+    with pytest.raises(LayoutError, match=r"paged_decode: `query` must be on a CUDA device"):
+        contracts.check_paged_decode(**_decode_args(), require_cuda=True)
+
+
+BAD_MERGE = {
+    "lse dtype": (lambda a, la, b, lb: (a, la.half(), b, lb), "lse_a", "float32 [2, 3]"),
+    "lse shape": (lambda a, la, b, lb: (a, la, b, lb[:1]), "lse_b", "float32 [2, 3]"),
+    "out_b dtype": (lambda a, la, b, lb: (a, la, b.half(), lb), "out_b", "float32 [2, 3, 8]"),
+    "out_b shape": (lambda a, la, b, lb: (a, la, b[:, :2], lb), "out_b", "float32 [2, 3, 8]"),
+    "out_a int": (lambda a, la, b, lb: (a.int(), la, b, lb), "out_a", "[B, H, D]"),
+    "out_a D stride": (lambda a, la, b, lb: (a.transpose(1, 2).contiguous().transpose(1, 2), la, b, lb), "out_a",
+                       "D stride 1"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_MERGE)
+def test_merge_contract_rejects(name):
+    change, tensor, expected = BAD_MERGE[name]
+    args = change(torch.randn(2, 3, 8), torch.randn(2, 3), torch.randn(2, 3, 8), torch.randn(2, 3))
+    with pytest.raises(LayoutError, match=re.escape(f"merge_states: `{tensor}` must be")) as info:
+        contracts.check_merge_states(*args)
+    assert expected in str(info.value)
+    with pytest.raises(LayoutError, match=re.escape(f"`{tensor}`")):
+        reference.merge_states(*args)
+
+
+BAD_COPY = {
+    "slots int64": (lambda d, s, i: (d, s, i.long()), "slots", "int32"),
+    "slots 2-d": (lambda d, s, i: (d, s, i[None]), "slots", "int32 [n]"),
+    "dtype mismatch": (lambda d, s, i: (d, s.half(), i), "src", "like `dst`"),
+    "shape mismatch": (lambda d, s, i: (d, s[:, :, :4], i), "src", "like `dst`"),
+    "D stride": (lambda d, s, i: (d, s.transpose(2, 3), i), "src", "D stride 1"),
+    "dst 3-d": (lambda d, s, i: (d[0], s, i), "dst", "[N, H, block_size, D]"),
+}
+
+
+@pytest.mark.parametrize("op", ["gather_blocks", "scatter_blocks"])
+@pytest.mark.parametrize("name", BAD_COPY)
+def test_copy_contract_rejects(op, name):
+    change, tensor, expected = BAD_COPY[name]
+    dst, src, slots = change(torch.zeros(4, 2, 8, 8), torch.zeros(4, 2, 8, 8), torch.tensor([1, 3], dtype=torch.int32))
+    with pytest.raises(LayoutError, match=re.escape(f"{op}: `{tensor}` must be")) as info:
+        contracts.check_block_copy(op, dst, src, slots)
+    assert expected in str(info.value)
+    with pytest.raises(LayoutError, match=re.escape(f"`{tensor}`")):
+        getattr(reference, op)(dst, src, slots)
+
+
+def test_copy_contract_list_side_too_short_and_cuda_required():
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(LayoutError, match=r"gather_blocks: `dst` must be at least len\(slots\) = 3"):
+        contracts.check_block_copy("gather_blocks", torch.zeros(2, 1, 8, 4), torch.zeros(4, 1, 8, 4), slots)
+    with pytest.raises(LayoutError, match=r"scatter_blocks: `src` must be at least len\(slots\) = 3"):
+        contracts.check_block_copy("scatter_blocks", torch.zeros(4, 1, 8, 4), torch.zeros(2, 1, 8, 4), slots)
+    with pytest.raises(LayoutError, match=r"gather_blocks: `dst` must be on a CUDA device"):
+        contracts.check_block_copy("gather_blocks", torch.zeros(4, 1, 8, 4), torch.zeros(4, 1, 8, 4), slots,
+                                   require_cuda=True)
+
+
+# ---------------------------------------------------------------- CUDA wrappers, driven without a GPU
+
+_C_TYPES = {"long long": np.int64, "int": np.int32, "float": np.float32}
+
+
+def _header_param_types(macro: str) -> list:
+    """numpy types of a TKV_*_PARAMS macro's parameters, as the launch must pass them."""
+    header = (NATIVE / HEADER_NAME).read_text()
+    body = re.search(rf"#define {macro}(?:\(T\))?\s*\\\n(.*?)\n\n", header, re.S).group(1)
+    params = [p.strip() for p in body.replace("\\\n", " ").replace("\\", " ").split(",")]
+    types = []
+    for param in params:
+        declared = param.rsplit(" ", 1)[0].replace("const ", "").strip()
+        types.append(np.uint64 if declared.endswith("*") else _C_TYPES[declared])
+    return types
+
+
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cuda, "_REQUIRE_CUDA", False)
+    monkeypatch.setattr(cuda, "_takes_cuda_path", lambda *tensors: True)
+    monkeypatch.setattr(cuda, "_ptr", lambda t: np.uint64(0 if t is None else t.data_ptr()))
+    monkeypatch.setattr(cuda, "_launch", lambda *args: calls.append(args))
+    return calls
+
+
+def _assert_args_match(args, macro):
+    types = _header_param_types(macro)
+    assert len(args) == len(types), f"{len(args)} arguments for {len(types)} parameters of {macro}"
+    for index, (arg, expected) in enumerate(zip(args, types)):
+        assert type(arg) is expected, f"{macro} parameter {index}: {type(arg).__name__}, want {expected.__name__}"
+
+
+@pytest.mark.parametrize("num_sources", [1, 3])
+def test_cuda_paged_decode_launch_matches_the_header(recorded_launches, num_sources):
+    tiers = ("hot", "warm", "staging")[:num_sources]
+    case = build_decode_case(tiers=tiers, block_size=8, batch=2, groups=3, head_dim=16, dtype=torch.bfloat16)
+    out, lse = cuda.paged_decode(*case.args())
+    (file_name, kernel, grid, block, args, _), = recorded_launches
+    assert (file_name, kernel, grid, block) == ("paged_decode.cu", "paged_decode_bf16", (6, 2, 1), (128, 1, 1))
+    _assert_args_match(args, "TKV_DECODE_PARAMS")
+    assert int(args[0]) == out.data_ptr() and int(args[1]) == lse.data_ptr()
+    k0 = case.sources[0][0]
+    assert [int(a) for a in args[7:10]] == list(k0.stride()[:3])  # hot view strides (bs*D, S*bs*D, D)
+    assert [int(a) for a in args[-6:-1]] == [2, 3, 16, 8, case.block_table.shape[1]]
+
+
+def test_cuda_merge_and_copy_launches_match_the_header(recorded_launches):
+    out_a = torch.randn(2, 3, 8, dtype=torch.float16)
+    cuda.merge_states(out_a, torch.zeros(2, 3), out_a.clone(), torch.zeros(2, 3))
+    slab = make_sources(1, 6, 2, 8, 16, torch.float32, torch.device("cpu"), fill=0.0)[0][0]
+    staging = torch.zeros(3, 2, 8, 16)
+    slots = torch.tensor([5, 0, 3], dtype=torch.int32)
+    cuda.gather_blocks(staging, slab, slots)
+    cuda.scatter_blocks(slab, staging, slots)
+    (merge, gather, scatter) = recorded_launches
+    assert merge[:4] == ("merge_states.cu", "merge_states_f16", (3, 2, 1), (128, 1, 1))
+    _assert_args_match(merge[4], "TKV_MERGE_PARAMS")
+    for call, op in ((gather, "gather_blocks"), (scatter, "scatter_blocks")):
+        assert call[:4] == (f"{op}.cu", op, (3, 2, 1), (128, 1, 1))
+        _assert_args_match(call[4], "TKV_COPY_PARAMS")
+        assert int(call[4][-1]) == 16 and int(call[4][-2]) == 64  # 16-byte units, rows of 16 fp32
+    assert [int(a) for a in gather[4][5:8]] == [s * 4 for s in slab.stride()[:3]]  # src strides in bytes
+
+
+@pytest.mark.parametrize("name", ["block_table int64", "source D stride", "tier_tags int16"])
+def test_cuda_wrapper_never_launches_on_a_failed_check(recorded_launches, name):
+    changes, tensor, _ = BAD_DECODE[name]
+    with pytest.raises(LayoutError, match=re.escape(f"`{tensor}`")):
+        cuda.paged_decode(**_decode_args(**changes))
+    with pytest.raises(LayoutError, match=r"`slots`"):
+        cuda.gather_blocks(torch.zeros(2, 1, 8, 4), torch.zeros(4, 1, 8, 4), torch.tensor([0, 1]))
+    with pytest.raises(LayoutError, match=r"`lse_a`"):
+        cuda.merge_states(torch.zeros(1, 1, 4), torch.zeros(1, 1).half(), torch.zeros(1, 1, 4), torch.zeros(1, 1))
+    assert recorded_launches == []
+
+
+def test_cuda_wrapper_refuses_cpu_tensors_when_a_launch_would_follow(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cuda, "_takes_cuda_path", lambda *tensors: True)
+    monkeypatch.setattr(cuda, "_launch", lambda *args: calls.append(args))
+    with pytest.raises(LayoutError, match=r"paged_decode: `query` must be on a CUDA device"):
+        cuda.paged_decode(**_decode_args())
+    assert calls == []
+
+
+# ---------------------------------------------------------------- backend choice and self-check
+
+def test_backend_choice_without_cuda_is_the_reference(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level("INFO", logger="tiered_kv.kernels.backend"):
+        ops = backend.choose_ops()
+    assert ops.backend == "torch" and ops.paged_decode is reference.paged_decode
+    assert ops.fallback_reason == "torch.cuda.is_available() is False"
+    assert "torch reference ops (torch.cuda.is_available() is False)" in caplog.text
+    monkeypatch.setenv(backend.FORCE_ENV, "torch")
+    assert backend.choose_ops().fallback_reason == f"{backend.FORCE_ENV}=torch"
+
+
+def test_ops_is_chosen_once():
+    import tiered_kv.kernels as kernels
+
+    assert kernels.ops is kernels.ops is backend.get_ops()
+    assert kernels.ops.backend in ("cuda", "torch")
+    assert (kernels.ops.backend == "cuda") == GPU or kernels.ops.fallback_reason
+
+
+def test_selfcheck_on_cpu_reports_every_op():
+    report = selfcheck("cpu", dtypes=(torch.float32,), block_sizes=(8,), tier_mixes=(("hot", "warm"),),
+                       head_dim=16)
+    assert set(report["paged_decode"]) == {"float32/bs8/hot+warm"}
+    assert set(report["gather_blocks"]) == {f"float32/bs8/{t}" for t in TIERS}
+    assert set(report["merge_states"]) == {"float32"}
+    if report["backend"] == "torch":
+        assert report["paged_decode"]["float32/bs8/hot+warm"] == {"out": 0.0, "lse": 0.0}
+
+
+def test_max_abs_error_counts_matching_infinities_and_nans_as_equal():
+    a = torch.tensor([1.0, float("-inf"), float("nan"), 2.0])
+    assert max_abs_error(a, a.clone()) == 0.0
+    assert max_abs_error(a, torch.tensor([1.0, float("-inf"), float("nan"), 2.5])) == 0.5
+    assert max_abs_error(a, torch.tensor([1.0, 0.0, float("nan"), 2.0])) == float("inf")
+
+
+# ---------------------------------------------------------------- GPU: kernels vs the torch reference
+
+GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+OUT_TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 2e-5}
+GPU_TIERS = [("hot",), ("warm",), ("staging",), ("hot", "warm", "staging")]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("tiers", GPU_TIERS, ids=["+".join(t) for t in GPU_TIERS])
+def test_gpu_paged_decode_matches_reference(dtype, block_size, tiers):
+    case = build_decode_case(dtype=dtype, block_size=block_size, tiers=tiers, groups=4, num_kv_heads=2,
+                             head_dim=128, batch=4, max_tokens=150, device="cuda", seed=block_size)
+    out, lse = cuda.paged_decode(*case.args())
+    want_out, want_lse = reference.paged_decode(*case.args())
+    torch.cuda.synchronize()
+    assert out.dtype == dtype and lse.dtype == torch.float32 and not out.isnan().any()
+    torch.testing.assert_close(out.float(), want_out.float(), atol=OUT_TOL[dtype], rtol=OUT_TOL[dtype])
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+
+
+@needs_gpu
+@pytest.mark.parametrize("head_dim", [64, 80, 256])
+@pytest.mark.parametrize("tag_dtype", [torch.int8, torch.int32], ids=["tags8", "tags32"])
+def test_gpu_paged_decode_head_dims_and_tag_types(head_dim, tag_dtype):
+    case = build_decode_case(dtype=torch.float32, block_size=16, tiers=("hot", "warm", "staging"), groups=3,
+                             head_dim=head_dim, tag_dtype=tag_dtype, device="cuda", seed=head_dim)
+    out, lse = cuda.paged_decode(*case.args())
+    want_out, want_lse = _expected(case)
+    torch.testing.assert_close(out.cpu(), want_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, atol=1e-4, rtol=1e-5)
+
+
+@needs_gpu
+def test_gpu_paged_decode_empty_poisoned_and_untagged_rows():
+    case = build_decode_case(tiers=("hot",), block_size=8, batch=3, device="cuda", seed=7)
+    want_out, _ = reference.paged_decode(*case.args())
+    starts = case.start_offsets.clone()
+    starts[1] = case.seq_lens[1]
+    table = case.block_table.clone()
+    table[2, int(case.start_offsets[2]) // 8] = case.sources[0][0].shape[0]
+    out, lse = cuda.paged_decode(case.query, case.sources, table, None, starts, case.seq_lens, case.scale)
+    torch.testing.assert_close(out[0], want_out[0], atol=2e-5, rtol=2e-5)
+    assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all())
+    assert bool(out[2].isnan().all()) and bool(lse[2].isnan().all())
+
+
+@needs_gpu
+def test_gpu_paged_decode_runs_on_the_current_stream():
+    case = build_decode_case(tiers=("hot", "warm"), block_size=16, device="cuda", seed=8)
+    want_out, _ = reference.paged_decode(*case.args())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out, _ = cuda.paged_decode(*case.args())
+        out = out.clone()  # ordered after the kernel only when both ran on `side`
+    side.synchronize()
+    torch.testing.assert_close(out, want_out, atol=2e-5, rtol=2e-5)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["fp16", "bf16", "fp32"])
+def test_gpu_merge_states_matches_reference_and_full_attention(dtype):
+    case = build_decode_case(dtype=dtype, tiers=("hot", "warm"), block_size=16, max_tokens=90, groups=2,
+                             device="cuda", seed=9)
+    (out_a, lse_a), (out_b, lse_b) = _split_runs(case, 40, decode=cuda.paged_decode)
+    out, lse = cuda.merge_states(out_a, lse_a, out_b, lse_b)
+    want_out, want_lse = reference.merge_states(out_a, lse_a, out_b, lse_b)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=OUT_TOL[dtype], rtol=OUT_TOL[dtype])
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-6)
+    full_out, full_lse = cuda.paged_decode(*case.args())
+    torch.testing.assert_close(out.float(), full_out.float(), atol=2 * OUT_TOL[dtype], rtol=2 * OUT_TOL[dtype])
+    torch.testing.assert_close(lse, full_lse, atol=1e-4, rtol=1e-5)
+    lse_a[0, 0] = lse_b[0, 0] = float("-inf")  # both sides empty
+    out, lse = cuda.merge_states(out_a, lse_a, out_b, lse_b)
+    assert bool((out[0, 0] == 0).all()) and float(lse[0, 0]) == float("-inf")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8],
+                         ids=["fp16", "bf16", "fp32", "u8"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("tier", TIERS)
+def test_gpu_gather_scatter_match_reference(dtype, block_size, tier):
+    gen = torch.Generator().manual_seed(block_size)
+    tag = TIERS.index(tier)
+    head_dim = 13 if dtype == torch.uint8 else 64  # 13 bytes: the byte-by-byte path
+    (layout, _), = make_sources(tag + 1, 9, 3, block_size, head_dim, torch.float32, torch.device("cuda"),
+                                fill=0.0)[tag:]
+    slab = _like_layout(layout, dtype)
+    slab.copy_((torch.randn(slab.shape, generator=gen) * 50).to(dtype))
+    slots = torch.tensor([4, 8, 0, 5], dtype=torch.int32, device="cuda")
+    staging = torch.zeros(5, 3, block_size, head_dim, dtype=dtype, device="cuda")
+    cuda.gather_blocks(staging, slab, slots)
+    want = torch.zeros_like(staging)
+    reference.gather_blocks(want, slab, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(staging.cpu(), want.cpu())
+
+    source = (torch.randn(staging.shape, generator=gen) * 50).to(dtype).cuda()
+    got_slab, want_slab = _like_layout(layout, dtype), _like_layout(layout, dtype)
+    got_slab.copy_(slab)
+    want_slab.copy_(slab)
+    cuda.scatter_blocks(got_slab, source, slots)
+    reference.scatter_blocks(want_slab, source, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(got_slab.cpu(), want_slab.cpu())
+
+
+@needs_gpu
+def test_gpu_copies_skip_out_of_range_slots():
+    slab = torch.arange(4 * 8 * 4, dtype=torch.float32, device="cuda").view(4, 1, 8, 4)
+    staging = torch.full((2, 1, 8, 4), -1.0, device="cuda")
+    cuda.gather_blocks(staging, slab, torch.tensor([1, 4], dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(staging[0], slab[1]) and bool((staging[1] == -1).all())
+
+
+@needs_gpu
+def test_gpu_ops_backend_and_selfcheck():
+    import tiered_kv.kernels as kernels
+
+    assert kernels.ops.backend == "cuda", kernels.ops.fallback_reason
+    report = selfcheck("cuda", head_dim=128)
+    for key, errors in report["paged_decode"].items():
+        tol = OUT_TOL[getattr(torch, key.split("/")[0])]
+        assert errors["out"] <= tol and errors["lse"] <= 1e-4, (key, errors)
+    for op in ("gather_blocks", "scatter_blocks"):
+        assert all(error == 0.0 for error in report[op].values()), report[op]
+    for name, errors in report["merge_states"].items():
+        assert errors["out"] <= OUT_TOL[getattr(torch, name)] and errors["lse"] <= 1e-5, (name, errors)

@@ -1,0 +1,191 @@
+"""CUDA path of the native ops: the `.cu` files in native/, compiled at run time by cupy.
+
+Each wrapper is one contract check (contracts.py: metadata only, no sync) and one launch on
+torch's current stream (handed to cupy by `Stream.from_external`, or `ExternalStream` before
+cupy 14), with raw pointers taken from the torch tensors (no copies, no cupy arrays). Modules are compiled once per process and file (cupy also keeps the binary in its
+on-disk cache). cupy is imported lazily, so this module imports, and its checks run, without
+CUDA. Calls whose tensors are all on the CPU take the torch reference (same semantics).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..errors import LayoutError
+from . import contracts, reference
+from .sources import KERNEL_FILES, read_source
+
+DECODE_THREADS = 128  # TKV_DECODE_THREADS
+MERGE_THREADS = 128  # TKV_MERGE_THREADS
+COPY_THREADS = 128  # TKV_COPY_THREADS
+COMPILE_OPTIONS = ("-std=c++17",)
+_DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_compile_lock = threading.Lock()
+# The checks demand a CUDA device; tests switch this off (with a recording `_launch` and `_ptr`)
+# to drive the launch path with CPU tensors and check each launch's arguments against the header.
+_REQUIRE_CUDA = True
+
+
+@functools.lru_cache(maxsize=None)
+def _module(file_name: str):
+    import cupy
+
+    return cupy.RawModule(code=read_source(file_name), options=COMPILE_OPTIONS)
+
+
+def _function(file_name: str, kernel_name: str):
+    with _compile_lock:  # one compile per file even when threads race to the first call
+        return _module(file_name).get_function(kernel_name)
+
+
+def compile_all() -> None:
+    """Compiles and loads every kernel on the current device; raises what the compiler raised."""
+    for file_name, kernel_names in KERNEL_FILES.items():
+        for kernel_name in kernel_names:
+            _function(file_name, kernel_name)
+
+
+def _launch(file_name: str, kernel_name: str, grid: tuple, block: tuple, args: tuple, device: torch.device) -> None:
+    import cupy
+
+    with cupy.cuda.Device(device.index):
+        kernel = _function(file_name, kernel_name)
+        with _cupy_stream(device.index, torch.cuda.current_stream(device).cuda_stream):
+            kernel(grid, block, args)
+
+
+class _StreamHandle:
+    """A raw cudaStream_t in the CUDA stream protocol (what cupy 14's Stream.from_external takes)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(device_index: int, handle: int):
+    """cupy's view of one of torch's streams (torch never frees its streams, so caching is safe)."""
+    import cupy
+
+    if hasattr(cupy.cuda.Stream, "from_external"):  # cupy >= 14 (ExternalStream is deprecated there)
+        return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+    return cupy.cuda.ExternalStream(handle, device_index)
+
+
+def _takes_cuda_path(*tensors: torch.Tensor) -> bool:
+    """True when a kernel launches: some operand is on CUDA (all-CPU calls take the reference)."""
+    return any(t.device.type == "cuda" for t in tensors)
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    """A device-usable address: the tensor's own for CUDA memory, the UVA alias for pinned host memory."""
+    if t is None:
+        return np.uint64(0)
+    address = t.data_ptr()
+    if t.device.type == "cuda" or address == 0:
+        return np.uint64(address)
+    import cupy
+
+    attributes = cupy.cuda.runtime.pointerGetAttributes(address)
+    device_address = getattr(attributes, "devicePointer", 0)
+    if not device_address:
+        raise LayoutError(f"native ops: a host tensor ({contracts.describe(t)}) the device cannot address (not pinned)")
+    return np.uint64(device_address)
+
+
+def _i32(value: int) -> np.int32:
+    return np.int32(value)
+
+
+def _i64(value: int) -> np.int64:
+    return np.int64(value)
+
+
+def paged_decode(query: torch.Tensor, sources: Sequence, block_table: torch.Tensor, tier_tags,
+                 start_offsets: torch.Tensor, seq_lens: torch.Tensor, scale: float):
+    """Same contract and result as reference.paged_decode; one launch, grid (Hq, B)."""
+    if not _takes_cuda_path(query):
+        return reference.paged_decode(query, sources, block_table, tier_tags, start_offsets, seq_lens, scale)
+    shape = contracts.check_paged_decode(query, sources, block_table, tier_tags, start_offsets, seq_lens, scale,
+                                         require_cuda=_REQUIRE_CUDA)
+    out = torch.empty(shape.batch, shape.num_q_heads, shape.head_dim, dtype=query.dtype, device=query.device)
+    lse = torch.empty(shape.batch, shape.num_q_heads, dtype=torch.float32, device=query.device)
+    if shape.batch == 0 or shape.num_q_heads == 0:
+        return out, lse
+    source_args: list = []
+    for index in range(contracts.MAX_SOURCES):
+        if index < len(sources):
+            k, v = sources[index]
+            source_args += [_ptr(k), _ptr(v), *map(_i64, k.stride()[:3]), *map(_i64, v.stride()[:3]),
+                            _i32(k.shape[0])]
+        else:
+            source_args += [_ptr(None), _ptr(None), *[_i64(0)] * 6, _i32(0)]
+    tag_bytes = 0 if tier_tags is None else tier_tags.element_size()
+    args = (
+        _ptr(out), _ptr(lse), _ptr(query), _i64(query.stride(0)), _i64(query.stride(1)),
+        *source_args,
+        _i32(len(sources)), _ptr(block_table), _i64(block_table.stride(0)),
+        _ptr(tier_tags), _i32(tag_bytes), _ptr(start_offsets), _ptr(seq_lens),
+        _i32(shape.num_kv_heads), _i32(shape.groups), _i32(shape.head_dim), _i32(shape.block_size),
+        _i32(shape.max_blocks), np.float32(scale),
+    )
+    kernel = f"paged_decode_{_DTYPE_SUFFIX[query.dtype]}"
+    _launch("paged_decode.cu", kernel, (shape.num_q_heads, shape.batch, 1), (DECODE_THREADS, 1, 1), args,
+            query.device)
+    return out, lse
+
+
+def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+    """Same contract and result as reference.merge_states; one launch, grid (H, B)."""
+    if not _takes_cuda_path(out_a):
+        return reference.merge_states(out_a, lse_a, out_b, lse_b)
+    batch, heads, head_dim = contracts.check_merge_states(out_a, lse_a, out_b, lse_b, require_cuda=_REQUIRE_CUDA)
+    out = torch.empty(batch, heads, head_dim, dtype=out_a.dtype, device=out_a.device)
+    lse = torch.empty(batch, heads, dtype=torch.float32, device=out_a.device)
+    if batch == 0 or heads == 0:
+        return out, lse
+    args = (
+        _ptr(out), _ptr(lse), _ptr(out_a), _i64(out_a.stride(0)), _i64(out_a.stride(1)), _ptr(lse_a),
+        _ptr(out_b), _i64(out_b.stride(0)), _i64(out_b.stride(1)), _ptr(lse_b), _i32(heads), _i32(head_dim),
+    )
+    kernel = f"merge_states_{_DTYPE_SUFFIX[out_a.dtype]}"
+    _launch("merge_states.cu", kernel, (heads, batch, 1), (MERGE_THREADS, 1, 1), args, out_a.device)
+    return out, lse
+
+
+def gather_blocks(dst: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> None:
+    """dst[i] = src[slots[i]]; same contract as reference.gather_blocks (out-of-range slots are skipped)."""
+    _block_copy("gather_blocks", dst, src, slots)
+
+
+def scatter_blocks(dst: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> None:
+    """dst[slots[i]] = src[i]; same contract as reference.scatter_blocks (out-of-range slots are skipped)."""
+    _block_copy("scatter_blocks", dst, src, slots)
+
+
+def _block_copy(op: str, dst: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> None:
+    if not _takes_cuda_path(dst, src):
+        return getattr(reference, op)(dst, src, slots)
+    device = contracts.check_block_copy(op, dst, src, slots, require_cuda=_REQUIRE_CUDA)
+    count, heads, block_size, head_dim = slots.shape[0], dst.shape[1], dst.shape[2], dst.shape[3]
+    if count == 0 or heads == 0 or block_size == 0 or head_dim == 0:
+        return
+    esize = dst.element_size()
+    dst_ptr, src_ptr = _ptr(dst), _ptr(src)
+    dst_strides = [s * esize for s in dst.stride()[:3]]
+    src_strides = [s * esize for s in src.stride()[:3]]
+    row_bytes = head_dim * esize
+    vec = contracts.copy_vector_bytes(row_bytes, int(dst_ptr), int(src_ptr), *dst_strides, *src_strides)
+    indexed_slots = src.shape[0] if op == "gather_blocks" else dst.shape[0]
+    args = (
+        dst_ptr, src_ptr, *map(_i64, dst_strides), *map(_i64, src_strides), _ptr(slots), _i32(indexed_slots),
+        _i32(block_size), _i32(row_bytes), _i32(vec),
+    )
+    _launch(f"{op}.cu", op, (count, heads, 1), (COPY_THREADS, 1, 1), args, device)

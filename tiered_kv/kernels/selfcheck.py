@@ -1,0 +1,90 @@
+"""Runs each op once per dtype / block size / tier through `ops` and the reference; reports max abs errors.
+
+For a GPU check script: `tiered_kv.kernels.selfcheck("cuda")` compares the CUDA kernels with the
+torch reference on small random inputs (on a CPU-only machine both sides are the reference,
+so every error is 0). Errors are max |ops - reference| over elements, where equal infinities
+and NaN on both sides count as 0.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import reference
+from .backend import get_ops
+from .cases import TIERS, build_decode_case, make_sources
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK_SIZES = (8, 16, 32)
+TIER_MIXES = (("hot",), ("warm",), ("staging",), ("hot", "warm", "staging"))
+
+
+def max_abs_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    diff = torch.where(same, torch.zeros_like(got), (got - want).abs())
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def selfcheck(device="cuda", dtypes=DTYPES, block_sizes=BLOCK_SIZES, tier_mixes=TIER_MIXES,
+              head_dim: int = 128, seed: int = 0) -> dict:
+    """{"backend", "fallback_reason", "seconds", op: {"dtype/bsN/tiers": error or {"out", "lse"}}}."""
+    started = time.perf_counter()
+    ops = get_ops()
+    device = torch.device(device)
+    report: dict = {"backend": ops.backend, "fallback_reason": ops.fallback_reason,
+                    "paged_decode": {}, "merge_states": {}, "gather_blocks": {}, "scatter_blocks": {}}
+    for dtype in dtypes:
+        for block_size in block_sizes:
+            for tiers in tier_mixes:
+                case = build_decode_case(dtype=dtype, block_size=block_size, tiers=tiers, head_dim=head_dim,
+                                         device=device, seed=seed)
+                out, lse = ops.paged_decode(*case.args())
+                want_out, want_lse = reference.paged_decode(*case.args())
+                report["paged_decode"][f"{_name(dtype)}/bs{block_size}/{'+'.join(tiers)}"] = {
+                    "out": max_abs_error(out, want_out), "lse": max_abs_error(lse, want_lse)}
+                _check_copies(report, ops, dtype, block_size, head_dim, device, seed)
+        _check_merge(report, ops, dtype, head_dim, device, seed)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    report["seconds"] = time.perf_counter() - started
+    return report
+
+
+def _check_merge(report: dict, ops, dtype, head_dim: int, device, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    out_a, out_b = (torch.randn(3, 4, head_dim, generator=gen).to(dtype).to(device) for _ in (0, 1))
+    lse_a, lse_b = (torch.randn(3, 4, generator=gen).mul(4).to(device) for _ in (0, 1))
+    lse_a[0, 0] = float("-inf")  # one side empty
+    lse_a[1, 1] = lse_b[1, 1] = float("-inf")  # both empty
+    got = ops.merge_states(out_a, lse_a, out_b, lse_b)
+    want = reference.merge_states(out_a, lse_a, out_b, lse_b)
+    report["merge_states"][_name(dtype)] = {"out": max_abs_error(got[0], want[0]),
+                                            "lse": max_abs_error(got[1], want[1])}
+
+
+def _check_copies(report: dict, ops, dtype, block_size: int, head_dim: int, device, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    num_slots, count, heads = 12, 5, 2
+    slots = torch.randperm(num_slots, generator=gen)[:count].to(torch.int32).to(device)
+    for tag, tier in enumerate(TIERS):
+        (slab, _), = make_sources(tag + 1, num_slots, heads, block_size, head_dim, dtype, device, fill=0.0)[tag:]
+        slab.copy_(torch.randn(slab.shape, generator=gen).to(dtype))
+        staging = torch.randn(count, heads, block_size, head_dim, generator=gen).to(dtype).to(device)
+        key = f"{_name(dtype)}/bs{block_size}/{tier}"
+        got, want = torch.zeros_like(staging), torch.zeros_like(staging)
+        ops.gather_blocks(got, slab, slots)
+        reference.gather_blocks(want, slab, slots)
+        report["gather_blocks"][key] = max_abs_error(got, want)
+        got_slab, want_slab = slab.clone(), slab.clone()
+        if tier == "warm" and device.type == "cuda":
+            got_slab, want_slab = got_slab.pin_memory(), want_slab.pin_memory()
+        ops.scatter_blocks(got_slab, staging, slots)
+        reference.scatter_blocks(want_slab, staging, slots)
+        report["scatter_blocks"][key] = max_abs_error(got_slab, want_slab)
