@@ -276,3 +276,20 @@ def test_install_checks_mode_and_bank(model, tmp_path):
     assert model.config._attn_implementation == "sdpa"
     bank.close()
     config_bank.close()
+
+
+@pytest.mark.parametrize("kind", ("forces_warm",))
+def test_merge_decode_through_the_paged_kernel_path(kind, model, tmp_path, monkeypatch):
+    """On a GPU, merge-mode decode steps over hot and warm blocks run the native paged decode
+    kernel (native/paged_decode.cu). Here the same path runs through the kernel's torch reference
+    (same signature): logits within float tolerance, tokens equal, the path counted."""
+    from tiered_kv.hooks import attention
+    monkeypatch.setattr(attention, "PAGED_ON_CPU", True)
+    expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(8, 21), 5)
+    bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path))
+    hooks.install(model, bank, mode="merge")
+    got = _logits_per_step(model, bank, _turn_ids(8, 21), 5)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert bank.stats()["hooks"]["layers_paged"] == 5 * model.config.num_hidden_layers
+    bank.close()

@@ -118,7 +118,8 @@ class CacheBank(Stepping, ChatOps, Cache):
         self._forward_pins = None  # reads_host_tiers of a committed step still pinned until its forward ends
         self._closed = False
         self._stream_buffers: StreamBuffers | None = None  # created by the first hooked step
-        self._hook_counts = dict.fromkeys(("layers_view", "layers_gathered", "layers_streamed", "layers_merged"), 0)
+        self._hook_counts = dict.fromkeys(("layers_view", "layers_gathered", "layers_streamed", "layers_merged",
+                                           "layers_paged"), 0)
         if is_model:  # bind now, so attach() finds stored blocks before the first forward pass
             self._bind_store(getattr(model, "dtype", None) or next(model.parameters()).dtype)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CorruptBlockError
-from ..scheduler import HOT
+from ..scheduler import HOT, WARM
 
 
 class StreamBuffers:
@@ -67,6 +67,7 @@ class StepReads:
         self.is_view = self.num_rows == 1 and len(runs[0]) == 1 and runs[0][0].tier == HOT \
             and runs[0][0].positions is None
         self._split = None
+        self._paged = None
         self.streams = False
         self._fetches: dict[int, object] = {}
         self._error: BaseException | None = None
@@ -117,6 +118,57 @@ class StepReads:
         positions = torch.cat([p for _, _, p in self._gathered])
         parts.append((buffer[0], buffer[1], positions))
         return parts
+
+    def paged_decode(self, layer: int, query: torch.Tensor, attention_mask, scale: float, kernels):
+        """merge mode, one query token per row, blocks only in hot and warm: the native paged
+        decode kernel reads every block where it lies (warm straight from pinned host memory
+        through UVA), no gather. Returns `(out [B, Hq, D], lse)`, or None when the step does
+        not qualify (cold blocks, a mask that is not one left-padding run per row)."""
+        if self._paged is None:
+            self._paged = self._paged_tables(attention_mask, query.device) or False
+        if self._paged is False:
+            return None
+        self.counts["layers_paged"] += 1
+        table, tags, starts, lens = self._paged
+        store, bs = self.store, self.store.layout.block_size
+        sources = []
+        for tier in (HOT, WARM):
+            slab = store.tiers[tier].slab if store.tiers[tier] is not None and store.tiers[tier].num_slots else None
+            if slab is None:
+                sources.append(sources[0] if sources else None)
+                continue
+            if tier == HOT:  # [L, 2, H, S*bs, D] -> per K/V [S, H, bs, D]
+                k, v = (slab[layer, i].view(self._heads, -1, bs, self._dim).permute(1, 0, 2, 3) for i in (0, 1))
+            else:  # [S, L, 2, H, bs, D]
+                k, v = slab[:, layer, 0], slab[:, layer, 1]
+            sources.append((k, v))
+        if sources[1] is None:
+            sources = sources[:1]
+        return kernels.paged_decode(query, sources, table, tags, starts, lens, scale)
+
+    def _paged_tables(self, attention_mask, device):
+        # tags are the kernel's source indices: HOT = 0 (the hot slab), WARM = 1 (the warm slab)
+        rows = self.step.placements
+        needed = -(-self.num_tokens // self.store.layout.block_size)
+        table = torch.zeros((len(rows), needed), dtype=torch.int32)
+        tags = torch.zeros((len(rows), needed), dtype=torch.int8)
+        for r, (tiers, slots) in enumerate(rows):
+            tiers, slots = tiers[:needed], slots[:needed]
+            if len(tiers) < needed or (tiers > WARM).any() or (tiers < 0).any():
+                return None  # cold (or missing) blocks: the gathering merge path serves them
+            table[r] = torch.from_numpy(slots.astype("int32"))
+            tags[r] = torch.from_numpy(tiers.astype("int8"))
+        starts = torch.zeros(len(rows), dtype=torch.int32)
+        if attention_mask is not None:
+            mask = attention_mask[:, 0, -1, -self.num_tokens:]
+            mask = mask if mask.dtype == torch.bool else mask == 0
+            first = mask.int().argmax(dim=1)
+            runs = mask.sum(dim=1)
+            if not bool(((self.num_tokens - first) == runs).all()):
+                return None  # not one left-padding run per row
+            starts = first.to(torch.int32).cpu()
+        lens = torch.full((len(rows),), self.num_tokens, dtype=torch.int32)
+        return table.to(device), tags.to(device), starts.to(device), lens.to(device)
 
     def done(self, layer: int) -> None:
         """Layer `layer`'s attention no longer needs its buffer: fetch layer + 2 into it."""
@@ -195,6 +247,11 @@ class LayerReads:
         self._key, self._value = key_new, value_new
         self.num_tokens = step_reads.num_tokens
 
+    @property
+    def is_view(self) -> bool:
+        """The layer's K/V is one zero-copy view of consecutive hot slots (nothing to gather)."""
+        return self._step_reads.is_view
+
     def full_kv(self):
         with self._bank._rolled_back_on_error():
             return self._step_reads.full_kv(self.layer, self._key, self._value)
@@ -202,6 +259,10 @@ class LayerReads:
     def parts(self):
         with self._bank._rolled_back_on_error():
             return self._step_reads.parts(self.layer)
+
+    def paged_decode(self, query, attention_mask, scale, kernels):
+        with self._bank._rolled_back_on_error():
+            return self._step_reads.paged_decode(self.layer, query, attention_mask, scale, kernels)
 
     def done(self) -> None:
         self._step_reads.done(self.layer)

@@ -21,6 +21,15 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 LAYER_KEY = "tiered_kv_layer"
+PAGED_ON_CPU = False  # tests set it to run the paged path through the kernels' torch reference
+
+
+def paged_kernels():
+    """The native ops (cupy) when chosen at start, else None; on CPU (tests) the torch reference."""
+    from ..kernels import ops
+    if ops.backend == "cuda" or PAGED_ON_CPU:
+        return ops
+    return None
 
 
 def exact_attention(module, query, key, value, attention_mask, **kwargs):
@@ -38,6 +47,13 @@ def merge_attention(module, query, key, value, attention_mask, scaling=None, dro
     if reads is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if query.shape[2] == 1 and not reads.is_view and (query.is_cuda or PAGED_ON_CPU):
+        kernels = paged_kernels()
+        paged = reads.paged_decode(query[:, :, 0].contiguous(), attention_mask, scale, kernels) if kernels is not None else None
+        if paged is not None:  # the native paged decode kernel read every block where it lies
+            reads.done()
+            return paged[0].unsqueeze(1).contiguous(), None
     parts = reads.parts()
     if parts is None:  # this step cannot be split (see LayerReads.parts): the exact path
         key, value = reads.full_kv()
@@ -45,7 +61,6 @@ def merge_attention(module, query, key, value, attention_mask, scaling=None, dro
                                         **kwargs)
         reads.done()
         return result
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     num_tokens, query_length = reads.num_tokens, query.shape[2]
     outs, lses = [], []
     for part_key, part_value, positions in parts:
