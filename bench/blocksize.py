@@ -6,9 +6,10 @@ Per block size (`--block-sizes`, default 8,16,32) one config, the same bytes for
   hot  = `--hot-share` (default 1/4) of the long chat's KV, so the long chat spills and its decode
          reads warm blocks (the short chat fits hot);
   warm = room for the rest of the long chat and all its decode rounds; cold off.
-Each (block size, chat) gets its own CacheBank (and store) with that config, prefilled once with
-the chat's first C-1 tokens (C = `--short-tokens` or `--long-tokens`, chat-template text from
-bench/multiturn.py). A DynamicCache per chat is the baseline (`--no-baseline` skips it).
+Each chat's first C-1 tokens (C = `--short-tokens` or `--long-tokens`, chat-template text from
+bench/multiturn.py) are prefilled once into a DynamicCache, the baseline (`--no-baseline` leaves
+it out of the rounds); each (block size, chat) gets its own CacheBank (and store) with that config,
+holding the same K/V, written per layer in one step as a prefill writes it.
 Then the chats continue for `--rounds` rounds, block sizes interleaved (8 16 32 [DC] 8 16 32 [DC]
 ...): each round every cache generates `--decode-tokens` + 1 greedy tokens from where its
 conversation stands (no crop: a crop would hand back the blocks a decode took and hide the moves
@@ -81,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                             help=f"{text} (default {SIZES[name]}; with --tiny {TINY_SIZES[name]})")
     parser.add_argument("--hot-share", type=float, default=0.25, help="hot tier, as a share of the long chat's KV")
+    parser.add_argument("--max-seconds", type=float, default=0.0,
+                        help="start no new round after this many seconds of the run (0: no limit); "
+                             "the rounds done are reported")
     parser.add_argument("--no-baseline", action="store_true", help="skip the DynamicCache baseline")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny random Llama and smoke-test sizes (explicit options still win)")
@@ -105,8 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least {2 if name.endswith('_tokens') else 1}")
     if not args.short_tokens < args.long_tokens:
         parser.error("--short-tokens must be below --long-tokens")
-    if not 0 < args.hot_share < 1 or args.threads < 0:
-        parser.error("--hot-share must be between 0 and 1 (exclusive); --threads >= 0")
+    if not 0 < args.hot_share < 1 or args.threads < 0 or args.max_seconds < 0:
+        parser.error("--hot-share must be between 0 and 1 (exclusive); --threads and --max-seconds >= 0")
     return args
 
 
@@ -158,29 +162,39 @@ def mean_waste_share(context_tokens: int, block_size: int) -> float:
 
 
 def prepare(model, tokenizer, args) -> tuple[dict, dict]:
-    """Each chat's ids and, per (cache name, chat), a cache prefilled with all but its last token."""
+    """Each chat's ids and, per (cache name, chat), a cache holding all but its last token's KV.
+
+    Each chat is prefilled once, into its DynamicCache (the baseline); every bank then gets those
+    K/V tensors per layer in one update step, as a prefill forward would write them (a bank made
+    from the model accepts updates outside a forward), so a run pays for one prefill per chat, not
+    one per block size."""
     device = str(model.device)
     chat_ids = {chat: multiturn.TurnMaker(tokenizer, model.config.vocab_size, args.seed + i).next_turn(
         getattr(args, f"{chat}_tokens"), first=True).to(model.device) for i, chat in enumerate(CHATS)}
     names = [str(s) for s in args.sizes] + ([] if args.no_baseline else ["dynamic"])
     caches, prefill = {}, {}
-    for name in names:
-        for chat, ids in chat_ids.items():
-            if name == "dynamic":
-                cache = DynamicCache(config=model.config)
-            else:
-                cache = tiered_kv.CacheBank(model, tier_config(int(name), args, device))
-            gc.collect()
+    for chat, ids in chat_ids.items():
+        dynamic = DynamicCache(config=model.config)
+        started = time.perf_counter()
+        with torch.no_grad():
+            model(input_ids=ids[:, :-1], cache=dynamic, use_cache=True)
+        prefill["dynamic", chat] = {"prefill_s": time.perf_counter() - started}
+        print(f"  prefilled {chat:>5}: {ids.shape[1] - 1} tokens in {prefill['dynamic', chat]['prefill_s']:.1f} s",
+              flush=True)
+        for size in args.sizes:
+            bank = tiered_kv.CacheBank(model, tier_config(size, args, device))
             started = time.perf_counter()
             with torch.no_grad():
-                model(input_ids=ids[:, :-1], cache=cache, use_cache=True)
-            row = {"prefill_s": time.perf_counter() - started}
-            if name != "dynamic":
-                cache.store.wait_for_background(10.0)
-                row["moved_bytes"] = moved(cache)
-                row["waste"] = waste(cache, int(name))
-            caches[name, chat], prefill[name, chat] = cache, row
-            print(f"  prefilled {name:>7} {chat:>5}: {ids.shape[1] - 1} tokens in {row['prefill_s']:.1f} s", flush=True)
+                for layer_idx, layer in enumerate(dynamic.layers):
+                    bank.update(layer.keys, layer.values, layer_idx)
+            row = {"write_s": time.perf_counter() - started}
+            bank.store.wait_for_background(10.0)
+            row["moved_bytes"] = moved(bank)
+            row["waste"] = waste(bank, size)
+            caches[str(size), chat], prefill[str(size), chat] = bank, row
+        if not args.no_baseline:
+            caches["dynamic", chat] = dynamic
+    caches = {(name, chat): caches[name, chat] for name in names for chat in CHATS}  # round order
     return chat_ids, {"caches": caches, "prefill": prefill, "names": names}
 
 
@@ -201,7 +215,7 @@ def decode_once(model, cache, ids: torch.Tensor, num_tokens: int, block_size: in
     return row
 
 
-def run(model, tokenizer, args) -> dict:
+def run(model, tokenizer, args, deadline: float) -> dict:
     chat_ids, prepared = prepare(model, tokenizer, args)
     caches, names = prepared["caches"], prepared["names"]
     ids = {key: chat_ids[key[1]] for key in caches}  # each cache's conversation so far
@@ -223,6 +237,9 @@ def run(model, tokenizer, args) -> dict:
 
     step(2)  # untimed warm-up: first-call costs stay out
     for round_idx in range(args.rounds):
+        if round_idx and time.perf_counter() > deadline:
+            print(f"  --max-seconds reached: {round_idx} of {args.rounds} rounds done", flush=True)
+            break
         for key, row in step(args.decode_tokens).items():
             samples[key].append(row)
         print(f"  round {round_idx + 1}/{args.rounds}: " + ", ".join(
@@ -230,7 +247,8 @@ def run(model, tokenizer, args) -> dict:
             + " tok/s", flush=True)
     rows = []
     auto = BlockSizeAutoConfig()
-    decoded_tokens = args.rounds * (args.decode_tokens + 1)
+    rounds_done = len(next(iter(samples.values())))
+    decoded_tokens = rounds_done * (args.decode_tokens + 1)
     for chat in CHATS:
         context = getattr(args, f"{chat}_tokens")
         dynamic = (statistics.median(r["decode_tok_s"] for r in samples["dynamic", chat])
@@ -268,11 +286,11 @@ def run(model, tokenizer, args) -> dict:
     for (name, _), cache in caches.items():
         if name != "dynamic":
             cache.close()
-    return {"rows": rows, "tokens_match": tokens_match}
+    return {"rows": rows, "tokens_match": tokens_match, "rounds_done": rounds_done}
 
 
-def print_table(rows: list[dict], args) -> None:
-    print(f"\nthe chats continue for {args.rounds} interleaved rounds of {args.decode_tokens} timed decode tokens; "
+def print_table(rows: list[dict], args, rounds_done: int) -> None:
+    print(f"\nthe chats continue for {rounds_done} interleaved rounds of {args.decode_tokens} timed decode tokens; "
           f"tok/s: median over rounds; hot = {args.hot_share:g} of the long chat's KV, warm the rest.\n"
           "KiB/tok: bytes moved between tiers per decoded token (on demand = on the critical path); "
           "moves/100: block moves per 100 tokens; warm rd: KiB read in place from warm per token; "
@@ -309,9 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {model_name} on {model.device}, {torch.get_num_threads()} threads, load average "
           f"{load_before[0]:.2f} on {os.cpu_count()} cores; block sizes {args.sizes}; chats {args.short_tokens} / "
           f"{args.long_tokens} tokens; KV {layout.bytes_per_token} bytes per token", flush=True)
-    result = run(model, tokenizer, args)
+    result = run(model, tokenizer, args, started + args.max_seconds if args.max_seconds else math.inf)
     wall_s, load_after = time.perf_counter() - started, os.getloadavg()
-    print_table(result["rows"], args)
+    print_table(result["rows"], args, result["rounds_done"])
     print(f"wall time {wall_s:.0f} s; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
           f"(1/5/15 min {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}) on {os.cpu_count()} cores")
     if args.json:

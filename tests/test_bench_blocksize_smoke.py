@@ -31,7 +31,7 @@ def test_blocksize_bench_tiny(tmp_path):
     result = json.loads(out_json.read_text())
     args = result["args"]
     assert (args["short_tokens"], args["long_tokens"], args["decode_tokens"], args["rounds"]) == (40, 160, 4, 2)
-    assert result["tokens_match"] == {"short": True, "long": True}
+    assert result["tokens_match"] == {"short": True, "long": True} and result["rounds_done"] == 2
     assert len(result["load_average_before"]) == 3 and len(result["load_average_after"]) == 3
     banks = [r for r in result["rows"] if r["block_size"] is not None]
     assert sorted((r["chat"], r["block_size"]) for r in banks) == sorted(
