@@ -82,6 +82,7 @@ class StepReads:
             rows = [store.map_range(*step.placements[r], 0, self.num_history) if self.num_history else []
                     for r in range(self.num_rows)]
             self._history_runs = rows
+            self._history_spans = [[_span(run, self.num_history) for run in runs] for runs in rows]
             self._buffer_shape = (2, self.num_rows, self._heads, self.num_tokens, self._dim)
         self.streams = any(run.tier != HOT for row in runs for run in row)
         for index in range(2):
@@ -210,8 +211,11 @@ class StepReads:
         items = []
         for r, runs in enumerate(self._history_runs):
             row = buffer[:, r]
-            for run in runs:
-                items.append((run, row[:, :, :self.num_history] if run.positions is None else row, run.positions))
+            for run, (first, count) in zip(runs, self._history_spans[r]):
+                if first is None:  # scattered positions: index_copy
+                    items.append((run, row, run.positions))
+                else:  # one range of positions: the tier copies straight into it
+                    items.append((run, row[:, :, first:first + count], None))
         store.read_runs_into(layer, items)
 
     def _gathered_with_offsets(self):
@@ -235,6 +239,16 @@ class StepReads:
             count = len(run.positions)
             gathered.append((run, count, run.positions))
         return hot[0].positions, gathered
+
+
+def _span(run, num_tokens: int) -> tuple[int | None, int]:
+    """(first position, count) when the run's positions are one consecutive range, else (None, 0)."""
+    if run.positions is None:
+        return 0, num_tokens
+    positions = run.positions.cpu().numpy()
+    if len(positions) and positions[-1] - positions[0] == len(positions) - 1:
+        return int(positions[0]), len(positions)
+    return None, 0
 
 
 class LayerReads:

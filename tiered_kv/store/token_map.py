@@ -93,12 +93,19 @@ class TokenMapper:
         return data if run.tier == HOT else data.to(self.device, non_blocking=True)
 
     def read_into(self, layer: int, run: TierRun, out: torch.Tensor, positions: torch.Tensor | None) -> None:
-        """Copy one run's `[2, H, n, D]` into `out`, at `positions` along the token axis or whole."""
-        data = self._read_tokens(run.tier, layer, run.index)
-        if positions is None:
-            out.copy_(data, non_blocking=True)
-        else:
-            out.index_copy_(2, positions, data.to(self.device, non_blocking=True))
+        """Copy one run's `[2, H, n, D]` into `out`: whole (each tier copies straight from its
+        slab or file into it), or at `positions` along the token axis."""
+        if positions is not None:
+            out.index_copy_(2, positions, self._read_tokens(run.tier, layer, run.index).to(self.device,
+                                                                                        non_blocking=True))
+            return
+        if run.tier != HOT:
+            self.copy_engine.before_host_read()
+        try:
+            self.tiers[run.tier].read_tokens_into(layer, run.index, out)
+        except CorruptBlockError as error:
+            error.tier = run.tier
+            raise
 
     def _read_tokens(self, tier: int, layer: int, index) -> torch.Tensor:
         if tier != HOT:

@@ -163,20 +163,44 @@ class ColdTier(DurableRecords):
         offsets = np.asarray(offsets, dtype=np.int64).tolist()
         for position, (slot, offset) in enumerate(zip(slots, offsets)):
             groups.setdefault(slot, []).append((position, offset))
+        for slot, items in groups.items():  # consecutive tokens of one block: (position, offset, count)
+            p0, o0 = items[0]
+            if all(p == p0 + i and o == o0 + i for i, (p, o) in enumerate(items)):
+                groups[slot] = (p0, o0, len(items))
         return len(slots), groups
 
     def read_tokens(self, layer: int, index) -> torch.Tensor:
-        num_tokens, groups = index
+        num_tokens, _ = index
         out = np.empty((2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim), dtype=self._np_dtype)
+        self._read_tokens_np(layer, index, out, self._layer_buffer)
+        return self._to_torch(out)
+
+    def read_tokens_into(self, layer: int, index, out: torch.Tensor, scratch: np.ndarray | None = None) -> None:
+        """Like read_tokens, into `out` (`[2, H, n, D]`, may be a strided view). `scratch`: a
+        `[2, H, bs, D]` buffer of the caller's (a thread other than the store's own)."""
+        if out.device.type != "cpu":
+            out.copy_(self.read_tokens(layer, index))
+            return
+        scratch = self._layer_buffer if scratch is None else scratch
+        view = out.view(torch.uint16) if self.layout.dtype_name == "bfloat16" else out
+        self._read_tokens_np(layer, index, view.numpy(), scratch)  # numpy shares out's memory and strides
+
+    def new_scratch(self) -> np.ndarray:
+        return np.empty_like(self._layer_buffer)
+
+    def _read_tokens_np(self, layer: int, index, out: np.ndarray, scratch: np.ndarray) -> None:
+        _, groups = index
         for slot, items in groups.items():
             if not self.valid[slot, layer]:  # served KV must have been written: never zeros
                 raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} holds no written data "
                                           f"in {self.file_path}")
-            self._read_layer_slice(slot, layer, self._layer_buffer)
-            positions = [p for p, _ in items]
-            offsets = [o for _, o in items]
-            out[:, :, positions] = self._layer_buffer[:, :, offsets]
-        return self._to_torch(out)
+            self._read_layer_slice(slot, layer, scratch)
+            if isinstance(items, tuple):  # (first position, first offset, count): one slice
+                position, offset, count = items
+                out[:, :, position:position + count] = scratch[:, :, offset:offset + count]
+            else:
+                positions, offsets = _positions_and_offsets(items)
+                out[:, :, positions] = scratch[:, :, offsets]
 
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
         _, groups = index
@@ -184,8 +208,7 @@ class ColdTier(DurableRecords):
         self._withdraw(list(groups), zero_header=True)  # a changed record is no longer the durable one
         for slot, items in groups.items():
             self._read_layer_slice(slot, layer, self._layer_buffer)  # read-modify-write of one slice
-            positions = [p for p, _ in items]
-            offsets = [o for _, o in items]
+            positions, offsets = _positions_and_offsets(items)
             self._layer_buffer[:, :, offsets] = host[:, :, positions]
             self.valid[slot, layer] = False
             self.io.write_from(self._layer_buffer, self._offset(slot, layer))
@@ -278,3 +301,11 @@ class ColdTier(DurableRecords):
                 self.io.close()
             os.close(self._fd)
             self._fd = None
+
+
+def _positions_and_offsets(items) -> tuple[list[int], list[int]]:
+    """A token_index group as (positions in the request, offsets in the block)."""
+    if isinstance(items, tuple):
+        position, offset, count = items
+        return list(range(position, position + count)), list(range(offset, offset + count))
+    return [p for p, _ in items], [o for _, o in items]

@@ -59,6 +59,9 @@ class HotTier:
             return self.slab[layer, :, :, index]
         return self.slab[layer].index_select(2, index)
 
+    def read_tokens_into(self, layer: int, index, out: torch.Tensor) -> None:
+        out.copy_(self.read_tokens(layer, index))
+
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
         if isinstance(index, slice):
             self.slab[layer, :, :, index].copy_(kv)

@@ -63,6 +63,34 @@ class WarmTier:
         # advanced indices separated by slices come first: [t, 2, H, D]
         return self.slab[slots, layer, :, :, offsets, :].permute(1, 2, 0, 3)
 
+    def read_tokens_into(self, layer: int, index, out: torch.Tensor) -> None:
+        """Like read_tokens, copied into `out` (`[2, H, n, D]`, a strided view is fine): runs of
+        consecutive slots of whole blocks are one strided copy each, with no temporary."""
+        if index[0] != "blocks" or out.device.type != "cpu":
+            out.copy_(self.read_tokens(layer, index), non_blocking=True)
+            return
+        _, block_slots, first, count = index
+        bs = self.layout.block_size
+        slots = block_slots.tolist()
+        runs = _slot_runs(slots)
+        if len(runs) > max(4, len(slots) // 4):  # scattered slots: one gather beats many small copies
+            out.copy_(self.read_tokens(layer, index))
+            return
+        for start, length in runs:
+            lo = max(start * bs, first)  # tokens of this run of blocks, in the request's order
+            hi = min((start + length) * bs, first + count)
+            src = self.slab[slots[start]:slots[start] + length, layer]  # [k, 2, H, bs, D]
+            src = src.permute(1, 2, 0, 3, 4).reshape(2, src.shape[2], length * bs, src.shape[4]) \
+                if length == 1 else src.permute(1, 2, 0, 3, 4)
+            if length == 1:
+                out[:, :, lo - first:hi - first].copy_(src[:, :, lo - start * bs:hi - start * bs])
+            elif lo == start * bs and hi == (start + length) * bs:
+                dst = out[:, :, lo - first:hi - first]
+                dst.view(dst.shape[0], dst.shape[1], length, bs, dst.shape[3]).copy_(src)
+            else:  # a partial first or last block: whole blocks in the middle, the edges alone
+                whole = src.reshape(src.shape[0], src.shape[1], length * bs, src.shape[4])
+                out[:, :, lo - first:hi - first].copy_(whole[:, :, lo - start * bs:hi - start * bs])
+
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
         if index[0] == "blocks":
             _, block_slots, first, count = index
@@ -77,3 +105,13 @@ class WarmTier:
 
     def close(self) -> None:
         self.slab = None
+
+
+def _slot_runs(slots: list[int]) -> list[tuple[int, int]]:
+    """(index of the first block, number of blocks) of each run of consecutive slots."""
+    runs, start = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((start, i - start))
+            start = i
+    return runs
