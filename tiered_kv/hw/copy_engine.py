@@ -16,6 +16,11 @@ class CpuCopyEngine:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
+    def ordered(self):
+        """Where several copies and device ops run as one unit, as `copy` runs one (see
+        CudaCopyEngine.ordered)."""
+        return contextlib.nullcontext()
+
     def before_host_read(self) -> None:
         """Called before the CPU reads or writes host memory a side-stream copy may still be using."""
 
@@ -53,6 +58,20 @@ class CudaCopyEngine:
                     tensor.record_stream(self.side_stream)
         self._pending.record(self.side_stream)
         self._has_pending = True
+
+    @contextlib.contextmanager
+    def ordered(self):
+        """Copies and device ops issued inside run on the side stream after everything the
+        current (compute) stream queued before, and count as pending until they are done (the
+        same rules as `copy`). Tensors the unit allocates inside belong to the side stream; the
+        ones it reads or writes from outside must outlive it (slabs and staging do)."""
+        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(self.side_stream):
+                yield
+        finally:
+            self._pending.record(self.side_stream)
+            self._has_pending = True
 
     def before_host_read(self) -> None:
         if self._has_pending:

@@ -1,7 +1,10 @@
 """PlanExecutor: carries out a scheduler Plan move by move, and copies block data between tiers.
 
 Each move allocates its destination slot, copies, then frees its source slot, so a plan never
-needs spare room. Runs of moves into or out of the cold tier go through one preallocated host
+needs spare room. A run of moves between hot and warm in one direction takes its destination
+slots move by move as single moves would (the same slots), then copies as one batch through the
+BlockCopier (hw/block_copy.py: a few large copies, not one per block), then commits move by
+move in plan order. Runs of moves into or out of the cold tier go through one preallocated host
 staging buffer in chunks (one preadv per run of slots, one copy to the destination). A block
 whose bytes fail their checksum on the way is marked corrupt (no data, no key, no slot) and
 reported; it is never copied anywhere. The caller (TierStore) holds the store lock throughout:
@@ -23,20 +26,22 @@ import torch
 
 from ..block_index import BlockIndex
 from ..errors import CorruptBlockError
+from ..hw.block_copy import BlockCopier
 from ..pool import SlotPool
-from ..scheduler import COLD, DROPPED, HOT, TIER_NAMES, Move, Plan
+from ..scheduler import COLD, DROPPED, HOT, TIER_NAMES, WARM, Move, Plan
 
 log = logging.getLogger("tiered_kv")
 
 
 class PlanExecutor:
     def __init__(self, tiers: list, pools: list[SlotPool], index: BlockIndex, staging: torch.Tensor,
-                 copy_engine, link_monitor, block_bytes: int, is_pinned):
+                 copy_engine, link_monitor, block_bytes: int, is_pinned, block_copier: BlockCopier | None = None):
         self.tiers = tiers
         self.pools = pools
         self.index = index
         self.staging = staging
         self.copy_engine = copy_engine
+        self.block_copier = block_copier if block_copier is not None else BlockCopier(copy_engine)
         self.link_monitor = link_monitor
         self.block_bytes = block_bytes
         self.is_pinned = is_pinned
@@ -104,6 +109,11 @@ class PlanExecutor:
             batch = self._take_cold_batch(moves) if batch_cold_moves else []
             if batch:
                 corrupt += self._apply_batch(batch)
+                self._timed("demote" if batch[0].dst_tier > batch[0].src_tier else "promote", start_s)
+                continue
+            batch = self._take_link_batch(moves)
+            if batch:
+                self._apply_link_batch(batch, hot_slots)
                 self._timed("demote" if batch[0].dst_tier > batch[0].src_tier else "promote", start_s)
                 continue
             move = moves.pop(0)
@@ -187,6 +197,62 @@ class PlanExecutor:
         del moves[:count]
         return batch
 
+    def _take_link_batch(self, moves: list) -> list:
+        """Pop the leading run of hot -> warm or warm -> hot moves, up to the first one a single
+        move would refuse (its block not in its source tier, or moved earlier in the run): that
+        one then fails on its own, after the run, exactly as move by move."""
+        first = moves[0]
+        if (first.src_tier, first.dst_tier) not in ((HOT, WARM), (WARM, HOT)):
+            return []
+        seen: set[int] = set()
+        count = 0
+        while count < len(moves):
+            move = moves[count]
+            if (move.src_tier, move.dst_tier) != (first.src_tier, first.dst_tier) or move.block_id in seen \
+                    or move.block_id not in self.index or self.index.get(move.block_id).tier != move.src_tier:
+                break
+            seen.add(move.block_id)
+            count += 1
+        batch = moves[:count]
+        del moves[:count]
+        return batch
+
+    def _apply_link_batch(self, batch: list, hot_slots: dict[int, int]) -> None:
+        """Moves between hot and warm, one direction: destination slots taken move by move (a
+        reserved hot run first, as `_apply_one`), one batched copy, then each move committed in
+        plan order. When a destination tier runs out, the moves before that one are still made
+        (as move by move) and the plan's infeasibility is raised after them."""
+        src_tier, dst_tier = batch[0].src_tier, batch[0].dst_tier
+        src_slots = [self.index.get(move.block_id).slot for move in batch]
+        dst_slots: list[int] = []
+        infeasible: RuntimeError | None = None
+        for move in batch:
+            slot = hot_slots.pop(move.block_id, None)
+            if slot is None:
+                try:
+                    slot = self._allocate_slot(dst_tier, move)
+                except RuntimeError as error:
+                    infeasible = error
+                    break
+            dst_slots.append(slot)
+        batch, src_slots = batch[:len(dst_slots)], src_slots[:len(dst_slots)]
+        if batch:
+            src, dst = self.tiers[src_tier], self.tiers[dst_tier]
+            try:
+                self.block_copier.copy(dst.slots_view(), dst_slots, src.slots_view(), src_slots)
+            except BaseException:
+                self.pools[dst_tier].free(dst_slots)
+                raise
+            self._count(src_tier, dst_tier, len(batch) * self.block_bytes)
+            for move, src_slot, dst_slot in zip(batch, src_slots, dst_slots):
+                self.free_slot(src_tier, src_slot)
+                self.index.move(move.block_id, dst_tier, dst_slot)
+                self._count_move(src_tier, dst_tier)
+                self._record(move.block_id, src_tier, dst_tier)
+                self.persist_if_published(move.block_id)
+        if infeasible is not None:
+            raise infeasible
+
     def _apply_batch(self, batch: list) -> list[int]:
         """Moves between cold and another tier through the staging buffer. Reads out of cold run
         in ascending file order and double-buffered: a reader thread fills one half of staging
@@ -241,6 +307,8 @@ class PlanExecutor:
         return corrupt
 
     def close(self) -> None:
+        self.copy_engine.synchronize()  # the side stream may still use the device staging
+        self.block_copier.staging = None
         if self._reader is not None:
             self._reader.shutdown(wait=True)
             self._reader = None
@@ -358,8 +426,7 @@ class _Reads:
         if self.src_tier != COLD:
             engine.before_host_read()  # the previous chunk's copies out of staging are done
             src = self.executor.tiers[self.src_tier]
-            for i, slot in enumerate(self.slots[k]):
-                engine.copy(self._buffer(k)[i], src.block_view(slot))
+            self.executor.block_copier.copy(self._buffer(k), range(self.sizes[k]), src.slots_view(), self.slots[k])
             engine.before_host_read()
             return self._buffer(k)
         if k not in self.pending:  # one buffer: read now

@@ -7,9 +7,10 @@ watermark and idle demotion, promotion by ALI), only while link saturation is be
 
 A batch holds the store lock only to plan and reserve (destination slots allocated, blocks
 marked in flight so no plan touches them) and to commit (index updated, source slots freed).
-The bytes are copied with the lock released, on the mover's own staging buffer and copy
-engine (its own CUDA stream on GPU), so a forward pass that reads other blocks never waits for
-a background copy. A step that starts using a block in flight cancels that move (`cancel`):
+The bytes are copied with the lock released, on the mover's own staging buffers (host, for
+cold; on a CUDA store also a device one of BATCH_BYTES for batched hot<->warm copies, see
+hw/block_copy.py) and copy engine (its own CUDA stream on GPU), so a forward pass that reads
+other blocks never waits for a background copy. A step that starts using a block in flight cancels that move (`cancel`):
 the commit then keeps the block where the step mapped it and gives the reserved slot back.
 A demand promotion that needs blocks in flight waits for their batch to land (`wait_for`).
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptBlockError
+from ..hw.block_copy import BlockCopier, device_staging
 from ..hw.block_io import ColdWriteError
 from ..hw.copy_engine import make_copy_engine
 from ..scheduler import COLD, DROPPED, HOT, Plan
@@ -57,6 +59,8 @@ class Mover:
         self.copy_engine = make_copy_engine(store.device)
         self.staging = torch.empty((min(self.batch_blocks, max(store.capacities)) or 1, *layout.record_shape()),
                                    dtype=store.dtype, pin_memory=store.pinned)
+        self.block_copier = BlockCopier(self.copy_engine, device_staging(
+            "hot.capacity", BATCH_BYTES, layout, store.capacities[HOT], store.device, store.dtype))
         self.in_flight: dict[int, Flight] = {}
         self._requests: OrderedDict[int, list[int]] = OrderedDict()  # owner -> blocks, most wanted first
         self._expected: dict[int, frozenset[int]] = {}  # owner -> blocks prefetched for its coming turn
@@ -246,8 +250,12 @@ class Mover:
             for flight in flights:
                 groups.setdefault((flight.src_tier, flight.dst_tier), []).append(flight)
             for (src_tier, dst_tier), group in groups.items():
+                if src_tier != dst_tier and COLD not in (src_tier, dst_tier):  # hot <-> warm: batched
+                    self.block_copier.copy(tiers[dst_tier].slots_view(), [f.dst_slot for f in group],
+                                           tiers[src_tier].slots_view(), [f.src_slot for f in group])
+                    continue
                 if COLD not in (src_tier, dst_tier):
-                    for f in group:  # hot <-> warm: one async copy per block (DMA on GPU)
+                    for f in group:  # within hot (compaction): one async copy per block
                         engine.copy(tiers[dst_tier].block_view(f.dst_slot), tiers[src_tier].block_view(f.src_slot))
                     continue
                 for start in range(0, len(group), self.staging.shape[0]):
@@ -274,8 +282,7 @@ class Mover:
                 tiers[dst_tier].write_blocks([f.dst_slot for f in chunk], staging)
                 self.copy_engine.synchronize()  # staging is reused by the next chunk
             return
-        for i, f in enumerate(chunk):
-            self.copy_engine.copy(staging[i], tiers[src_tier].block_view(f.src_slot))
+        self.block_copier.copy(staging, range(len(chunk)), tiers[src_tier].slots_view(), src_slots)
         self.copy_engine.synchronize()
         try:
             tiers[COLD].write_blocks([f.dst_slot for f in chunk], staging)

@@ -32,6 +32,7 @@ from ..block_index import BlockIndex
 from ..blocks import KVLayout
 from ..config import Config, load_config
 from ..errors import CapacityError, ColdPathInUseError, LayoutError
+from ..hw.block_copy import BlockCopier, device_staging
 from ..hw.copy_engine import make_copy_engine
 from ..hw.devices import resolve_device, resolve_pinned
 from ..hw.link_monitor import make_link_monitor
@@ -53,6 +54,9 @@ from .token_map import TierRun, TokenMapper
 log = logging.getLogger("tiered_kv")
 
 STAGING_BYTES = 32 * 2**20  # host staging for cold-tier batches
+# device staging for batched hot<->warm moves (hw/block_copy.py), on a CUDA store only; capped at
+# the hot capacity; beside the hot slab, not counted in hot.capacity
+STAGING_DEVICE_BYTES = 64 * 2**20
 PIN_WAIT_S = 60.0  # how long an allocation waits for other steps to unpin blocks it needs
 
 
@@ -150,6 +154,8 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
             # host buffer for moves into and out of cold, preallocated (and touched) once
             staging_blocks = max(1, min(STAGING_BYTES // layout.block_bytes, max(capacities)))
             staging = torch.zeros((staging_blocks, *layout.record_shape()), dtype=dtype, pin_memory=self.pinned)
+            block_copier = BlockCopier(self.copy_engine, device_staging(
+                "hot.capacity", STAGING_DEVICE_BYTES, layout, capacities[HOT], self.device, dtype))
         except BaseException:
             # a failed start removes what it made: files, directories, and this store
             for tier in tiers:
@@ -165,7 +171,7 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
             self._import_durable_records(tiers[COLD], pools[COLD])
         self.tiers, self.pools = tiers, pools
         self._executor = PlanExecutor(tiers, pools, self.index, staging, self.copy_engine, self.link_monitor,
-                                      layout.block_bytes, self.is_pinned)
+                                      layout.block_bytes, self.is_pinned, block_copier)
         self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.copy_engine)
         self.layout, self.dtype = layout, dtype
         tier_cfgs = (cfg.hot, cfg.warm, cfg.cold)

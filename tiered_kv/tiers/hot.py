@@ -47,6 +47,10 @@ class HotTier:
         """Slot `slot` as a (strided) `[L, 2, H, bs, D]` view, for async single-block copies."""
         return self._blocks[:, :, :, slot]
 
+    def slots_view(self) -> torch.Tensor:
+        """Every slot as a (strided) `[num_slots, L, 2, H, bs, D]` view, for batched block copies."""
+        return self._blocks.permute(3, 0, 1, 2, 4, 5)
+
     def token_index(self, slots, offsets):
         """A slice when the tokens are one contiguous run of the slab, else a LongTensor."""
         flat = np.asarray(slots, dtype=np.int64) * self.layout.block_size + np.asarray(offsets, dtype=np.int64)

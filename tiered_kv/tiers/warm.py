@@ -37,6 +37,10 @@ class WarmTier:
     def block_view(self, slot: int) -> torch.Tensor:
         return self.slab[slot]
 
+    def slots_view(self) -> torch.Tensor:
+        """Every slot as `[num_slots, L, 2, H, bs, D]` (the slab), for batched block copies."""
+        return self.slab
+
     def token_index(self, slots, offsets):
         """("blocks", block slots, first offset, count) when the tokens run through whole blocks
         in order (the usual case: one block-level gather per layer), else per-token indices."""
