@@ -56,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cases", default=",".join(DECODE_CASES + TTFT_CASES))
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cpu-streaming", choices=("auto", "on", "off"), default="auto",
+                   help="fetch lower-tier history a layer ahead in a thread on CPU (auto: only with a spare core)")
     p.add_argument("--tiny", action="store_true", help="a random 2-layer model (smoke test size)")
     p.add_argument("--json", default=None, metavar="PATH")
     return p.parse_args(argv)
@@ -89,6 +91,8 @@ def fill(cache, past: DynamicCache) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from tiered_kv.bank import layer_reads
+    layer_reads.CPU_STREAMING = args.cpu_streaming
     torch.manual_seed(0)
     cases = [c for c in args.cases.split(",") if c]
     model, vocab = load(args.tiny)
@@ -155,7 +159,8 @@ def main(argv=None) -> dict:
 
     result = {
         "context_tokens": n, "decode_tokens": args.decode_tokens, "turn_tokens": args.turn_tokens,
-        "rounds": args.rounds, "block_size": bs, "tiny": args.tiny, "load_average": load_avg,
+        "rounds": args.rounds, "block_size": bs, "cpu_streaming": args.cpu_streaming,
+        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tiny": args.tiny, "load_average": load_avg,
         "decode_tokens_per_s": {c: med[c] for c in cases if not c.startswith("ttft")},
         "ttft_s": {c: med[c] for c in cases if c.startswith("ttft")},
         "samples": samples,

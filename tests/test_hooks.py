@@ -45,8 +45,17 @@ def _logits_per_step(model, cache, ids, steps: int) -> list[torch.Tensor]:
     return out
 
 
+@pytest.fixture
+def streaming(request, monkeypatch):
+    """Force the stream worker on or off (on CPU it runs only when a core is spare)."""
+    from tiered_kv.bank import layer_reads
+    monkeypatch.setattr(layer_reads, "CPU_STREAMING", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("streaming", ("on", "off"), indirect=True)
 @pytest.mark.parametrize("kind", TIER_KINDS)
-def test_exact_logits_are_bitwise_equal_to_sdpa(kind, model, tmp_path):
+def test_exact_logits_are_bitwise_equal_to_sdpa(kind, streaming, model, tmp_path):
     assert model.config._attn_implementation == "sdpa"
     expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(1, 23), 6)
     bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path))
@@ -58,8 +67,10 @@ def test_exact_logits_are_bitwise_equal_to_sdpa(kind, model, tmp_path):
     assert counts["mode"] == "exact"
     if kind == "all_hot":
         assert counts["layers_view"] > 0 and counts["layers_streamed"] == 0
-    else:  # history below hot: fetched a layer ahead by the stream worker
-        assert counts["layers_streamed"] > 0
+    elif streaming == "on":  # history below hot: fetched a layer ahead by the stream worker
+        assert counts["layers_streamed"] > 0 and counts["layers_gathered"] == 0
+    else:  # gathered in the model's thread
+        assert counts["layers_gathered"] > 0 and counts["layers_streamed"] == 0
     bank.close()
 
 
@@ -133,7 +144,8 @@ def test_left_padded_batch_with_hooks_matches_dynamic_cache(kind, mode, model, t
     bank.close()
 
 
-def test_stream_buffers_are_two_layers_of_one_chat_and_reused(model, tmp_path):
+@pytest.mark.parametrize("streaming", ("on",), indirect=True)
+def test_stream_buffers_are_two_layers_of_one_chat_and_reused(streaming, model, tmp_path):
     """Beyond the hot budget the hooks use exactly two buffers of one layer's K/V, grown (by a
     quarter at least) only when the chat outgrows them, never allocated per step."""
     bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
@@ -153,7 +165,8 @@ def test_stream_buffers_are_two_layers_of_one_chat_and_reused(model, tmp_path):
     bank.close()
 
 
-def test_a_corrupt_cold_block_is_never_served_through_the_stream_worker(model, tmp_path):
+@pytest.mark.parametrize("streaming", ("on", "off"), indirect=True)
+def test_a_corrupt_cold_block_is_never_served_through_the_stream_worker(streaming, model, tmp_path):
     """A byte of a cold record rots between turns; the streamed read of that layer fails its
     checksum: the step is rolled back and the bank cut before the block; the retry recomputes it
     and equals DynamicCache."""
@@ -177,7 +190,8 @@ def test_a_corrupt_cold_block_is_never_served_through_the_stream_worker(model, t
     bank.close()
 
 
-def test_banks_in_threads_share_a_hooked_model(model, tmp_path):
+@pytest.mark.parametrize("streaming", ("on",), indirect=True)
+def test_banks_in_threads_share_a_hooked_model(streaming, model, tmp_path):
     store = tiered_kv.TierStore(tier_config("forces_cold", tmp_path))
     banks = [tiered_kv.CacheBank(model, store=store) for _ in range(2)]
     hooks.install(model, banks[0])

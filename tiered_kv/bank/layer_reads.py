@@ -17,10 +17,28 @@ merge mode asks for `parts()` instead: the hot run as a view, everything else ga
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..errors import CorruptBlockError
 from ..scheduler import HOT, WARM
+
+
+CPU_STREAMING = "auto"  # "auto" | "on" | "off": fetch a layer ahead in a thread on CPU (bench switch)
+
+
+def streaming_pays(device: torch.device) -> bool:
+    """Whether fetching a layer ahead in the worker overlaps anything. On CUDA the copies run on
+    a side stream beside the compute: always. On CPU only with a core that the model's own
+    intra-op threads leave free: on 2 cores with torch on 2 threads the worker's copies slowed
+    25%-hot decode from 0.62x to 0.45x of all-hot (bench/hooks.py), so there the history is
+    gathered in the model's thread, with the same straight-into-the-buffer copies."""
+    if device.type == "cuda" or CPU_STREAMING == "on":
+        return True
+    if CPU_STREAMING == "off":
+        return False
+    return torch.get_num_threads() < (os.cpu_count() or 1)
 
 
 class StreamBuffers:
@@ -79,12 +97,11 @@ class StepReads:
             hot_positions, self._gathered = self._split
             self._buffer_shape = (2, 1, self._heads, int(sum(n for _, n, _ in self._gathered)), self._dim)
         else:
-            rows = [store.map_range(*step.placements[r], 0, self.num_history) if self.num_history else []
-                    for r in range(self.num_rows)]
-            self._history_runs = rows
-            self._history_spans = [[_span(run, self.num_history) for run in runs] for runs in rows]
+            # per row: its history as segments of one tier, each copied straight into its slice
+            self._history = [store.map_segments(*step.placements[r], 0, self.num_history) if self.num_history else []
+                             for r in range(self.num_rows)]
             self._buffer_shape = (2, self.num_rows, self._heads, self.num_tokens, self._dim)
-        self.streams = any(run.tier != HOT for row in runs for run in row)
+        self.streams = any(run.tier != HOT for row in runs for run in row) and streaming_pays(store.device)
         for index in range(2):
             buffers.get(index, self._buffer_shape)  # grown here, never while a fetch runs
         if self.streams:
@@ -208,14 +225,8 @@ class StepReads:
             store.read_runs_into(layer, [(run, buffer[:, 0, :, start:start + count], None)
                                          for run, count, start in self._gathered_with_offsets()])
             return
-        items = []
-        for r, runs in enumerate(self._history_runs):
-            row = buffer[:, r]
-            for run, (first, count) in zip(runs, self._history_spans[r]):
-                if first is None:  # scattered positions: index_copy
-                    items.append((run, row, run.positions))
-                else:  # one range of positions: the tier copies straight into it
-                    items.append((run, row[:, :, first:first + count], None))
+        items = [(run, buffer[:, r, :, first:first + count], None)
+                 for r, segments in enumerate(self._history) for run, first, count in segments]
         store.read_runs_into(layer, items)
 
     def _gathered_with_offsets(self):
@@ -239,16 +250,6 @@ class StepReads:
             count = len(run.positions)
             gathered.append((run, count, run.positions))
         return hot[0].positions, gathered
-
-
-def _span(run, num_tokens: int) -> tuple[int | None, int]:
-    """(first position, count) when the run's positions are one consecutive range, else (None, 0)."""
-    if run.positions is None:
-        return 0, num_tokens
-    positions = run.positions.cpu().numpy()
-    if len(positions) and positions[-1] - positions[0] == len(positions) - 1:
-        return int(positions[0]), len(positions)
-    return None, 0
 
 
 class LayerReads:

@@ -55,6 +55,11 @@ class StepAccess:
             raise_if_corrupt(tiers, np.asarray(block_ids, dtype=np.int64), "blocks")
             return self.mapper.group_by_tier(tiers, slots, np.asarray(offsets, dtype=np.int64))
 
+    def map_segments(self, tiers: np.ndarray, slots: np.ndarray, start_token: int, end_token: int):
+        """Like map_range, as segments of one tier each (TokenMapper.map_segments)."""
+        with self.lock:
+            return self.mapper.map_segments(tiers, slots, start_token, end_token)
+
     def map_range(self, tiers: np.ndarray, slots: np.ndarray, start_token: int, end_token: int) -> list[TierRun]:
         """Runs for tokens [start_token, end_token) of a sequence whose blocks lie at (tiers, slots)."""
         with self.lock:

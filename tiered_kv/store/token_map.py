@@ -62,6 +62,28 @@ class TokenMapper:
             np.tile(np.arange(bs, dtype=np.int64), num_blocks)[lo:hi],
         )
 
+    def map_segments(self, tiers: np.ndarray, slots: np.ndarray, start_token: int,
+                     end_token: int) -> list[tuple[TierRun, int, int]]:
+        """Tokens [start_token, end_token) as maximal segments of consecutive blocks in one tier:
+        `(run, first position, count)` with positions relative to start_token, so each segment is
+        read straight into one slice of a destination (the hooks' stream buffers)."""
+        bs = self.layout.block_size
+        first, last = start_token // bs, (end_token - 1) // bs
+        block_tiers, block_slots = tiers[first:last + 1], slots[first:last + 1]
+        raise_if_corrupt(block_tiers, np.arange(first, last + 1), "blocks at positions")
+        changes = np.nonzero(np.diff(block_tiers))[0] + 1
+        bounds = [0, *changes.tolist(), len(block_tiers)]
+        segments = []
+        for b0, b1 in zip(bounds[:-1], bounds[1:]):
+            lo = max((first + b0) * bs, start_token)
+            hi = min((first + b1) * bs, end_token)
+            tier = int(block_tiers[b0])
+            token_slots = np.repeat(block_slots[b0:b1], bs)[lo - (first + b0) * bs:hi - (first + b0) * bs]
+            offsets = np.arange(lo, hi, dtype=np.int64) % bs
+            segments.append((TierRun(tier, self.tiers[tier].token_index(token_slots, offsets), None),
+                             lo - start_token, hi - lo))
+        return segments
+
     def group_by_tier(self, token_tiers: np.ndarray, slots: np.ndarray, offsets: np.ndarray) -> list[TierRun]:
         """One TierRun per tier holding some of the tokens (positions None when one tier holds all)."""
         if (token_tiers == token_tiers[0]).all():
