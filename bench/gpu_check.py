@@ -145,7 +145,12 @@ class Ctx:
 
         self.args = args
         self.mode = "quick" if args.quick else "full"
-        self.sizes = SIZES[self.mode]
+        self.sizes = dict(SIZES[self.mode])
+        # a shorter second run: GPU_CHECK_CONTEXTS=4096 GPU_CHECK_PYTEST=tests/a.py,tests/b.py
+        if os.environ.get("GPU_CHECK_CONTEXTS"):
+            self.sizes["contexts"] = tuple(int(c) for c in os.environ["GPU_CHECK_CONTEXTS"].split(","))
+        if os.environ.get("GPU_CHECK_PYTEST"):
+            self.sizes["pytest"] = tuple(os.environ["GPU_CHECK_PYTEST"].split(","))
         want = args.device
         if want == "auto":
             want = "cpu" if args.quick else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -475,6 +480,7 @@ VARIANTS = (  # name, cache, hooks mode, hot share
     ("bank_hooks_exact", "bank", "exact", None),
     ("bank_hooks_merge", "bank", "merge", None),
     ("bank_hot25_hooks_exact", "bank", "exact", 0.25),
+    ("bank_hot25_hooks_merge", "bank", "merge", 0.25),  # decode through native/paged_decode.cu
     ("bank_hot25", "bank", None, 0.25),
 )
 
@@ -666,7 +672,7 @@ def compare_to_dynamic(row: dict, step_logits: dict) -> None:
             value["logits_bitwise_equal"] = bool(torch.equal(logits[:steps], ref_logits[:steps]))
         if "tokens_per_s" in value and "tokens_per_s" in ref:
             value["speed_vs_dynamic"] = value["tokens_per_s"] / ref["tokens_per_s"]
-    for name in ("bank_hot25", "bank_hot25_hooks_exact"):
+    for name in ("bank_hot25", "bank_hot25_hooks_exact", "bank_hot25_hooks_merge"):
         all_hot = row.get("bank_hooks_exact" if "hooks" in name else "bank", {})
         if "tokens_per_s" in row.get(name, {}) and "tokens_per_s" in all_hot:
             row[name]["speed_vs_all_hot_same_hooks"] = row[name]["tokens_per_s"] / all_hot["tokens_per_s"]

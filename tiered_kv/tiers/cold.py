@@ -71,6 +71,7 @@ class ColdTier(DurableRecords):
         self._fd = self._file.fd
         # checksum of each layer slice of each slot, and whether that slice holds written data
         self.checksums = np.zeros((num_slots, layout.num_layers), dtype=np.uint64)
+        self._batch: np.ndarray | None = None  # layer slices of a read_tokens batch (_batch_scratch)
         self.valid = np.zeros((num_slots, layout.num_layers), dtype=bool)
         # durable: the slot has (or a queued persist will give it) an index row; generation: bumped
         # whenever that stops being true, so a queued persist of an older generation is dropped
@@ -172,35 +173,60 @@ class ColdTier(DurableRecords):
     def read_tokens(self, layer: int, index) -> torch.Tensor:
         num_tokens, _ = index
         out = np.empty((2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim), dtype=self._np_dtype)
-        self._read_tokens_np(layer, index, out, self._layer_buffer)
+        self._read_tokens_np(layer, index, out)
         return self._to_torch(out)
 
-    def read_tokens_into(self, layer: int, index, out: torch.Tensor, scratch: np.ndarray | None = None) -> None:
-        """Like read_tokens, into `out` (`[2, H, n, D]`, may be a strided view). `scratch`: a
-        `[2, H, bs, D]` buffer of the caller's (a thread other than the store's own)."""
+    def read_tokens_into(self, layer: int, index, out: torch.Tensor) -> None:
+        """Like read_tokens, into `out` (`[2, H, n, D]`, a strided view is fine)."""
         if out.device.type != "cpu":
             out.copy_(self.read_tokens(layer, index))
             return
-        scratch = self._layer_buffer if scratch is None else scratch
         view = out.view(torch.uint16) if self.layout.dtype_name == "bfloat16" else out
-        self._read_tokens_np(layer, index, view.numpy(), scratch)  # numpy shares out's memory and strides
+        self._read_tokens_np(layer, index, view.numpy())  # numpy shares out's memory and strides
 
-    def new_scratch(self) -> np.ndarray:
-        return np.empty_like(self._layer_buffer)
-
-    def _read_tokens_np(self, layer: int, index, out: np.ndarray, scratch: np.ndarray) -> None:
+    def _read_tokens_np(self, layer: int, index, out: np.ndarray) -> None:
+        """The hot loop of a turn over cold history: per block, one preadv and one XXH3 of its
+        slice of this layer (the general read path only when a read comes back short), into a
+        batch buffer; then one copy of the batch into `out` when the blocks are whole and in order."""
         _, groups = index
-        for slot, items in groups.items():
-            if not self.valid[slot, layer]:  # served KV must have been written: never zeros
+        entries = list(groups.items())
+        batch = self._batch_scratch(len(entries))
+        flat = memoryview(batch.reshape(-1).view(np.uint8))
+        valid, sums = self.valid[:, layer].tolist(), self.checksums[:, layer].tolist()
+        fast_read = getattr(self.io, "read_exact_into", None)
+        slice_bytes, base, stride = self.layout.layer_bytes, layer * self.layout.layer_bytes, self.record_stride_bytes
+        for i, (slot, _) in enumerate(entries):
+            if not valid[slot]:  # served KV must have been written: never zeros
                 raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} holds no written data "
                                           f"in {self.file_path}")
-            self._read_layer_slice(slot, layer, scratch)
+            view = flat[i * slice_bytes:(i + 1) * slice_bytes]
+            if fast_read is None or not fast_read(view, slot * stride + base):
+                self._read_bytes(slot, layer, batch[i])
+            if checksum(view) != sums[slot]:
+                raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} failed its checksum (XXH3-64) "
+                                          f"check in {self.file_path}")
+        bs = self.layout.block_size
+        first = entries[0][1][0] if entries and isinstance(entries[0][1], tuple) else None
+        if first is not None and all(isinstance(items, tuple) and items == (first + i * bs, 0, bs)
+                                     for i, (_, items) in enumerate(entries)):
+            span = out[:, :, first:first + len(entries) * bs]
+            blocks = span.reshape(span.shape[0], span.shape[1], len(entries), bs, span.shape[3])
+            if np.may_share_memory(blocks, out):  # a view, not a copy: one transposing copy
+                blocks[...] = batch[:len(entries)].transpose(1, 2, 0, 3, 4)
+                return
+        for i, (_, items) in enumerate(entries):
             if isinstance(items, tuple):  # (first position, first offset, count): one slice
                 position, offset, count = items
-                out[:, :, position:position + count] = scratch[:, :, offset:offset + count]
+                out[:, :, position:position + count] = batch[i][:, :, offset:offset + count]
             else:
                 positions, offsets = _positions_and_offsets(items)
-                out[:, :, positions] = scratch[:, :, offsets]
+                out[:, :, positions] = batch[i][:, :, offsets]
+
+    def _batch_scratch(self, num_blocks: int) -> np.ndarray:
+        """`[>= num_blocks, 2, H, bs, D]`, reused (callers hold the store lock)."""
+        if self._batch is None or len(self._batch) < num_blocks:
+            self._batch = np.empty((max(num_blocks, 64), *self._layer_buffer.shape), dtype=self._np_dtype)
+        return self._batch
 
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
         _, groups = index
