@@ -30,6 +30,8 @@ setup(
         "test": ["pytest>=8", "gguf>=0.10", "accelerate>=1.0"],
         # GPU extra: ~2.7 GB of CUDA libraries. Needs a CUDA build of torch installed first.
         "gpu": ["cupy-cuda12x>=13", "kvikio-cu12>=25.0"],
+        # the same for CUDA 13 (checked on an H200: cupy-cuda13x 14.2, kvikio-cu13 26.10)
+        "gpu-cu13": ["cupy-cuda13x>=13", "kvikio-cu13>=26.0"],
         # figures of the benchmarks (bench/sessions.py --plot)
         "plot": ["matplotlib>=3.7"],
     },

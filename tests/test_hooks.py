@@ -68,7 +68,7 @@ def test_exact_logits_are_bitwise_equal_to_sdpa(kind, streaming, model, tmp_path
     if kind == "all_hot":
         assert counts["layers_view"] > 0 and counts["layers_streamed"] == 0
     elif streaming == "on":  # history below hot: fetched a layer ahead by the stream worker
-        assert counts["layers_streamed"] > 0 and counts["layers_gathered"] == 0
+        assert counts["layers_streamed"] > 0  # (a prefill with no history has nothing to fetch ahead)
     else:  # gathered in the model's thread
         assert counts["layers_gathered"] > 0 and counts["layers_streamed"] == 0
     bank.close()
@@ -160,7 +160,7 @@ def test_stream_buffers_are_two_layers_of_one_chat_and_reused(streaming, model, 
     assert one_layer_bytes <= used <= 2 * 1.25 * one_layer_bytes + 64
     # 40 steps grew the chat from 30 to 70 tokens: the first allocation, then growth by >= 25%
     # (30 -> 37 -> 46 -> 58 -> 72) is at most 5 per buffer for 80 streamed layers
-    assert bank.stats()["hooks"]["layers_streamed"] >= new_tokens * 2
+    assert bank.stats()["hooks"]["layers_streamed"] >= (new_tokens - 1) * 2  # every decode step; the prefill has no history
     assert bank._stream_buffers.num_allocations <= 2 * 5
     bank.close()
 
