@@ -35,9 +35,9 @@ from .rows import Row
 from .layer_reads import LayerReads, StepReads, StreamBuffers
 from .step import PlacementCache, RowInputs, Step, tier_counts
 from ..hooks.attention import LAYER_KEY
+from ..hooks.install import MODE_OF_IMPLEMENTATION
 
 _STEP_OWNER_IDS = itertools.count(1)
-_HOOK_MODES = {"tiered_kv_exact": "exact", "tiered_kv_merge": "merge"}  # hooks/install.py MODES
 
 
 class _BankLayer(CacheLayerMixin):
@@ -318,7 +318,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         model = self._model_ref() if self._model_ref is not None else None
         if model is None:
             return None
-        return _HOOK_MODES.get(getattr(model.config, "_attn_implementation", None))
+        return MODE_OF_IMPLEMENTATION.get(getattr(model.config, "_attn_implementation", None))
 
     def _start_hooked_reads(self, step: Step) -> None:
         """At layer 0 of a step whose forward the hooks see: attention will read in place."""

@@ -22,7 +22,7 @@ from ..errors import LayoutError
 from .attention import exact_attention, merge_attention
 
 MODES = {"exact": ("tiered_kv_exact", exact_attention), "merge": ("tiered_kv_merge", merge_attention)}
-IMPLEMENTATION_NAMES = {name for name, _ in MODES.values()}
+MODE_OF_IMPLEMENTATION = {name: mode for mode, (name, _) in MODES.items()}  # what CacheBank.hooks_mode reads
 _STATE_ATTR = "_tiered_kv_hooks"
 
 for _name, _function in MODES.values():
