@@ -58,14 +58,6 @@ class PosixBlockIO:
                                      f"(got {done} of {len(view)} bytes at offset {offset_bytes}; truncated?)")
             done += n
 
-    def read_exact_into(self, view: memoryview, offset_bytes: int) -> bool:
-        """One preadv of `view` (bytes) at `offset_bytes`; False when it came back short or
-        failed (the caller then takes read_into's path, which says why)."""
-        try:
-            return os.preadv(self.fd, [view], offset_bytes) == len(view)
-        except OSError:
-            return False
-
     def read_strided_into(self, rows: np.ndarray, offset_bytes: int, stride_bytes: int) -> None:
         """rows[i] <- the bytes at offset + i * stride (records of consecutive slots), one preadv per
         run: the gaps between them (padding, headers) land in a scratch buffer. ShortReadError if the

@@ -27,6 +27,7 @@ import threading
 
 import numpy as np
 import torch
+import xxhash
 
 from ..blocks import KVLayout
 from ..errors import ConfigError, CorruptBlockError
@@ -71,7 +72,7 @@ class ColdTier(DurableRecords):
         self._fd = self._file.fd
         # checksum of each layer slice of each slot, and whether that slice holds written data
         self.checksums = np.zeros((num_slots, layout.num_layers), dtype=np.uint64)
-        self._batch: np.ndarray | None = None  # layer slices of a read_tokens batch (_batch_scratch)
+        self._batch = None  # layer slices of a read_tokens batch and their byte views (_batch_scratch)
         self.valid = np.zeros((num_slots, layout.num_layers), dtype=bool)
         # durable: the slot has (or a queued persist will give it) an index row; generation: bumped
         # whenever that stops being true, so a queued persist of an older generation is dropped
@@ -190,19 +191,23 @@ class ColdTier(DurableRecords):
         batch buffer; then one copy of the batch into `out` when the blocks are whole and in order."""
         _, groups = index
         entries = list(groups.items())
-        batch = self._batch_scratch(len(entries))
-        flat = memoryview(batch.reshape(-1).view(np.uint8))
+        batch, views = self._batch_scratch(len(entries))
         valid, sums = self.valid[:, layer].tolist(), self.checksums[:, layer].tolist()
-        fast_read = getattr(self.io, "read_exact_into", None)
         slice_bytes, base, stride = self.layout.layer_bytes, layer * self.layout.layer_bytes, self.record_stride_bytes
-        for i, (slot, _) in enumerate(entries):
+        fd = self.io.fd if isinstance(self.io, PosixBlockIO) else None
+        pread, digest = os.preadv, xxhash.xxh3_64_intdigest
+        for i, (slot, _) in enumerate(entries):  # ~7,000 iterations a turn at 4k tokens: kept tight
             if not valid[slot]:  # served KV must have been written: never zeros
                 raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} holds no written data "
                                           f"in {self.file_path}")
-            view = flat[i * slice_bytes:(i + 1) * slice_bytes]
-            if fast_read is None or not fast_read(view, slot * stride + base):
+            view = views[i]
+            try:
+                complete = fd is not None and pread(fd, [view], slot * stride + base) == slice_bytes
+            except OSError:
+                complete = False
+            if not complete:  # the general path reads again, and says why when it cannot
                 self._read_bytes(slot, layer, batch[i])
-            if checksum(view) != sums[slot]:
+            if digest(view) != sums[slot]:
                 raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} failed its checksum (XXH3-64) "
                                           f"check in {self.file_path}")
         bs = self.layout.block_size
@@ -222,10 +227,13 @@ class ColdTier(DurableRecords):
                 positions, offsets = _positions_and_offsets(items)
                 out[:, :, positions] = batch[i][:, :, offsets]
 
-    def _batch_scratch(self, num_blocks: int) -> np.ndarray:
-        """`[>= num_blocks, 2, H, bs, D]`, reused (callers hold the store lock)."""
-        if self._batch is None or len(self._batch) < num_blocks:
-            self._batch = np.empty((max(num_blocks, 64), *self._layer_buffer.shape), dtype=self._np_dtype)
+    def _batch_scratch(self, num_blocks: int) -> tuple[np.ndarray, list[memoryview]]:
+        """`[>= num_blocks, 2, H, bs, D]` and a byte view of each row, reused (callers hold the
+        store lock)."""
+        if self._batch is None or len(self._batch[0]) < num_blocks:
+            batch = np.empty((max(num_blocks, 64), *self._layer_buffer.shape), dtype=self._np_dtype)
+            flat, size = memoryview(batch.reshape(-1).view(np.uint8)), self.layout.layer_bytes
+            self._batch = (batch, [flat[i * size:(i + 1) * size] for i in range(len(batch))])
         return self._batch
 
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
