@@ -307,3 +307,37 @@ def test_merge_decode_through_the_paged_kernel_path(kind, model, tmp_path, monke
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert bank.stats()["hooks"]["layers_paged"] == 5 * model.config.num_hidden_layers
     bank.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failure_inside_hooked_attention_rolls_the_step_back(mode, model, tmp_path, monkeypatch):
+    """Invariant 3 with hooks: the step commits only after the last layer's attention. An error
+    raised inside the attention of the last layer leaves the bank exactly as before; the retry
+    equals DynamicCache."""
+    from tiered_kv.hooks import attention
+    bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
+    hooks.install(model, bank, mode=mode)
+    ids = _turn_ids(21, 17)
+    out = model.generate(ids, cache=bank, max_new_tokens=3, do_sample=False)
+    before = (bank.get_seq_length(), bank.block_table(0), bank.stats()["tiers"])
+    last_layer = model.config.num_hidden_layers - 1
+    real = attention.sdpa_attention_forward
+
+    def failing(module, *args, **kwargs):
+        if module.layer_idx == last_layer:
+            raise RuntimeError("injected failure in the last layer's attention")
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", failing)
+    monkeypatch.setattr(attention, "attention_with_lse", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("injected failure in a merged attention")))
+    follow = torch.cat([out, _turn_ids(22, 4)], 1)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        model.generate(follow, cache=bank, max_new_tokens=2, do_sample=False)
+    assert (bank.get_seq_length(), bank.block_table(0), bank.stats()["tiers"]) == before
+    monkeypatch.undo()
+    assert hooks.installed_mode(model) == mode
+    got = model.generate(follow, cache=bank, max_new_tokens=4, do_sample=False)
+    hooks.uninstall(model)
+    assert torch.equal(got, model.generate(follow, max_new_tokens=4, do_sample=False))
+    bank.close()
