@@ -341,3 +341,23 @@ def test_a_failure_inside_hooked_attention_rolls_the_step_back(mode, model, tmp_
     hooks.uninstall(model)
     assert torch.equal(got, model.generate(follow, max_new_tokens=4, do_sample=False))
     bank.close()
+
+
+def test_warm_history_through_the_native_gather_path(model, tmp_path, monkeypatch):
+    """On a GPU, whole warm blocks reach a hooked step's buffer through native/gather_blocks.cu
+    reading the page-locked slab (UVA). Here the same calls run through the kernels' torch
+    reference: logits still bitwise equal to sdpa."""
+    from tiered_kv.kernels import reference
+    from tiered_kv.tiers import warm
+    monkeypatch.setattr(warm, "GATHER_WITH_KERNEL_ON_CPU", True)
+    calls = []
+    real = reference.gather_blocks
+    monkeypatch.setattr(reference, "gather_blocks", lambda *a: (calls.append(1), real(*a))[1])
+    expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(31, 26), 5)
+    bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
+    hooks.install(model, bank)
+    got = _logits_per_step(model, bank, _turn_ids(31, 26), 5)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    assert calls, "the gather kernel's path did not run"
+    bank.close()

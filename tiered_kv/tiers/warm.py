@@ -13,6 +13,9 @@ from ..blocks import KVLayout
 from ..hw.memory import allocate_slab
 
 
+GATHER_WITH_KERNEL_ON_CPU = False  # tests: run the CUDA gather path through the kernels' torch reference
+
+
 class WarmTier:
     name = "warm"
 
@@ -70,6 +73,9 @@ class WarmTier:
     def read_tokens_into(self, layer: int, index, out: torch.Tensor) -> None:
         """Like read_tokens, copied into `out` (`[2, H, n, D]`, a strided view is fine): runs of
         consecutive slots of whole blocks are one strided copy each, with no temporary."""
+        if index[0] == "blocks" and (out.device.type == "cuda" or GATHER_WITH_KERNEL_ON_CPU) \
+                and self._gather_with_kernel(layer, index, out):
+            return
         if index[0] != "blocks" or out.device.type != "cpu":
             out.copy_(self.read_tokens(layer, index), non_blocking=True)
             return
@@ -94,6 +100,26 @@ class WarmTier:
             else:  # a partial first or last block: whole blocks in the middle, the edges alone
                 whole = src.reshape(src.shape[0], src.shape[1], length * bs, src.shape[4])
                 out[:, :, lo - first:hi - first].copy_(whole[:, :, lo - start * bs:hi - start * bs])
+
+    def _gather_with_kernel(self, layer: int, index, out: torch.Tensor) -> bool:
+        """Whole warm blocks into a device buffer with native/gather_blocks.cu, which reads the
+        page-locked slab through UVA: no host temporary, no synchronous copy, on the caller's
+        stream (the stream worker's side stream). False when it does not apply (partial blocks,
+        an unpinned slab, no native kernels): the caller copies through the host."""
+        from ..kernels import ops  # chosen once at start: cupy + native/ on CUDA, else torch
+        _, block_slots, first, count = index
+        bs = self.layout.block_size
+        num_blocks = len(block_slots)
+        if first != 0 or count != num_blocks * bs:
+            return False
+        if out.device.type == "cuda" and not (self.pinned and ops.backend == "cuda"):
+            return False
+        slots = block_slots.to(device=out.device, dtype=torch.int32, non_blocking=True)
+        for kv in (0, 1):  # [H, n*bs, D] of the buffer as [n, H, bs, D]; the slab's [S, H, bs, D]
+            part = out[kv]
+            dst = part.view(part.shape[0], num_blocks, bs, part.shape[2]).permute(1, 0, 2, 3)
+            ops.gather_blocks(dst, self.slab[:, layer, kv], slots)
+        return True
 
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
         if index[0] == "blocks":
