@@ -347,12 +347,14 @@ def test_warm_history_through_the_native_gather_path(model, tmp_path, monkeypatc
     """On a GPU, whole warm blocks reach a hooked step's buffer through native/gather_blocks.cu
     reading the page-locked slab (UVA). Here the same calls run through the kernels' torch
     reference: logits still bitwise equal to sdpa."""
-    from tiered_kv.kernels import reference
+    import dataclasses
+    from tiered_kv import kernels
     from tiered_kv.tiers import warm
     monkeypatch.setattr(warm, "GATHER_WITH_KERNEL_ON_CPU", True)
     calls = []
-    real = reference.gather_blocks
-    monkeypatch.setattr(reference, "gather_blocks", lambda *a: (calls.append(1), real(*a))[1])
+    ops = kernels.get_ops()
+    counted = dataclasses.replace(ops, gather_blocks=lambda *a: (calls.append(1), ops.gather_blocks(*a))[1])
+    monkeypatch.setattr(kernels, "get_ops", lambda: counted)
     expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(31, 26), 5)
     bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
     hooks.install(model, bank)
