@@ -15,18 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 
-def _one_intra_op_thread() -> None:
-    """torch's intra-op thread count is per calling thread: the worker's copies run on one, so
-    they never add a second OpenMP team beside the model's (on 2 cores that oversubscription
-    slowed decode ~2x, worse than not overlapping at all)."""
-    torch.set_num_threads(1)
-
-
 class StreamWorker:
     def __init__(self, device: torch.device):
         self.device = device
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-kv-stream",
-                                        initializer=_one_intra_op_thread)
+        # (no torch.set_num_threads(1) here: besides OpenMP's per-thread count it sets MKL's,
+        # which is process-wide, and would change the model's own GEMMs)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-kv-stream")
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
     @property
