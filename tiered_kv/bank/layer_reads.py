@@ -21,7 +21,6 @@ import os
 
 import torch
 
-from ..errors import CorruptBlockError
 from ..scheduler import HOT, WARM
 
 
@@ -88,7 +87,6 @@ class StepReads:
         self._paged = None
         self.streams = False
         self._fetches: dict[int, object] = {}
-        self._error: BaseException | None = None
         if self.is_view:
             return
         if mode == "merge" and self.num_rows == 1:
@@ -190,7 +188,7 @@ class StepReads:
 
     def done(self, layer: int) -> None:
         """Layer `layer`'s attention no longer needs its buffer: fetch layer + 2 into it."""
-        if self.streams and layer + 2 < self.num_layers and self._error is None:
+        if self.streams and layer + 2 < self.num_layers:
             self._start_fetch(layer + 2)
 
     def finish(self) -> None:
@@ -292,4 +290,4 @@ class LayerReads:
         self._bank._layer_attended(self.layer)
 
 
-__all__ = ["StreamBuffers", "StepReads", "LayerReads", "CorruptBlockError"]
+__all__ = ["StreamBuffers", "StepReads", "LayerReads", "streaming_pays"]
