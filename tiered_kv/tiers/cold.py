@@ -183,9 +183,9 @@ class ColdTier(DurableRecords):
             out.copy_(self.read_tokens(layer, index))
             return
         view = out.view(torch.uint16) if self.layout.dtype_name == "bfloat16" else out
-        self._read_tokens_np(layer, index, view.numpy())  # numpy shares out's memory and strides
+        self._read_tokens_np(layer, index, view.numpy(), out)  # numpy shares out's memory and strides
 
-    def _read_tokens_np(self, layer: int, index, out: np.ndarray) -> None:
+    def _read_tokens_np(self, layer: int, index, out: np.ndarray, out_tensor: torch.Tensor | None = None) -> None:
         """The hot loop of a turn over cold history: per block, one preadv and one XXH3 of its
         slice of this layer (the general read path only when a read comes back short), into a
         batch buffer; then one copy of the batch into `out` when the blocks are whole and in order."""
@@ -214,10 +214,16 @@ class ColdTier(DurableRecords):
         first = entries[0][1][0] if entries and isinstance(entries[0][1], tuple) else None
         if first is not None and all(isinstance(items, tuple) and items == (first + i * bs, 0, bs)
                                      for i, (_, items) in enumerate(entries)):
-            span = out[:, :, first:first + len(entries) * bs]
-            blocks = span.reshape(span.shape[0], span.shape[1], len(entries), bs, span.shape[3])
+            n = len(entries)
+            if out_tensor is not None:  # one transposing copy; torch's runs on its intra-op threads
+                span = out_tensor[:, :, first:first + n * bs]
+                span.view(span.shape[0], span.shape[1], n, bs, span.shape[3]).copy_(
+                    self._to_torch(batch[:n]).permute(1, 2, 0, 3, 4))
+                return
+            span = out[:, :, first:first + n * bs]
+            blocks = span.reshape(span.shape[0], span.shape[1], n, bs, span.shape[3])
             if np.may_share_memory(blocks, out):  # a view, not a copy: one transposing copy
-                blocks[...] = batch[:len(entries)].transpose(1, 2, 0, 3, 4)
+                blocks[...] = batch[:n].transpose(1, 2, 0, 3, 4)
                 return
         for i, (_, items) in enumerate(entries):
             if isinstance(items, tuple):  # (first position, first offset, count): one slice
