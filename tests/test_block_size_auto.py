@@ -230,6 +230,7 @@ def test_bank_from_auto_config_uses_picked_size(tmp_path):
         out = model.generate(ids, cache=bank, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
         stats = bank.stats()
         assert bank.store.layout.block_size == 8
+        assert stats["block_size"] == {"tokens": 8, "auto": True}
         assert stats["seq_tokens"] == 45 and sum(stats["bank_blocks"].values()) == 6  # ceil(45 / 8)
         assert stats["bank_blocks"]["warm"] > 0  # hot holds 3 blocks: the rest spilled
         same = tiered_kv.CacheBank(model, store=bank.store, config=load_config(cfg.to_dict()))

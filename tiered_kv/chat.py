@@ -275,5 +275,6 @@ def _summary(records: list[dict]) -> str:
         f"(attention: {'tiered_kv.hooks ' + last['hooks']['mode'] if last['hooks']['mode'] else 'sdpa over gathered K/V'})",
         f"block hits: {hits}; misses {last['misses']}",
         f"bytes moved: {moved}",
-        f"tiers at end: {_tiers_text(last)}",
+        f"tiers at end: {_tiers_text(last)}; block size {last['block_size']['tokens']} tokens"
+        f"{' (auto)' if last['block_size']['auto'] else ''}",
     ])

@@ -33,7 +33,9 @@ class Reporting:
                 tiers[name] = {"used_blocks": pool.num_used, "capacity_blocks": pool.num_slots,
                                "used_bytes": pool.num_used * self.layout.block_bytes,
                                "capacity_bytes": pool.num_slots * self.layout.block_bytes, "device": device}
-            out = {"tiers": tiers, "hits": dict(self.hits), "misses": self.misses,
+            # the block size in use, and whether `block_size: auto` chose it
+            block_size = {"tokens": self.config.block_size, "auto": self.config.block_size_is_auto}
+            out = {"tiers": tiers, "block_size": block_size, "hits": dict(self.hits), "misses": self.misses,
                    "bytes_moved": dict(self.bytes_moved), "link_saturation": self.link_monitor.saturation()}
             out.update(self._scheduler_stats())
             out.update(self.layout_stats())  # fragmentation, contiguity, contiguity_min (layout.py)
