@@ -17,6 +17,7 @@ merge mode asks for `parts()` instead: the hot run as a view, everything else ga
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -49,9 +50,7 @@ class StreamBuffers:
         self.num_allocations = 0
 
     def get(self, index: int, shape: tuple[int, ...]) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         flat = self._flat[index]
         if flat is None or flat.numel() < numel:
             grown = numel if flat is None else max(numel, flat.numel() + flat.numel() // 4)
@@ -62,9 +61,6 @@ class StreamBuffers:
     @property
     def num_bytes(self) -> int:
         return sum(f.numel() * f.element_size() for f in self._flat if f is not None)
-
-    def release(self) -> None:
-        self._flat = [None, None]
 
 
 class StepReads:
@@ -92,15 +88,13 @@ class StepReads:
         if mode == "merge" and self.num_rows == 1:
             self._split = self._merge_split(step, store)
         if self._split is not None:
-            _, self._gathered = self._split
-            self._buffer_shape = (2, 1, self._heads, int(sum(n for _, n, _ in self._gathered)), self._dim)
+            self._buffer_shape = (2, 1, self._heads, sum(count for _, count, _ in self._split[1]), self._dim)
         else:
             # per row: its history as segments of one tier, each copied straight into its slice
             self._history = [store.map_segments(*step.placements[r], 0, self.num_history) if self.num_history else []
                              for r in range(self.num_rows)]
             self._buffer_shape = (2, self.num_rows, self._heads, self.num_tokens, self._dim)
-        gathers_lower = any(run.tier != HOT for _, _, run in self._gathered_runs())
-        self.streams = gathers_lower and streaming_pays(store.device)
+        self.streams = any(run.tier != HOT for run in self._gathered_runs()) and streaming_pays(store.device)
         for index in range(2):
             buffers.get(index, self._buffer_shape)  # grown here, never while a fetch runs
         if self.streams:
@@ -115,7 +109,7 @@ class StepReads:
             self.counts["layers_view"] += 1
             kv = store.read_layer(layer, step.read_runs[0], self.num_tokens)
             return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
-        buffer = self._filled_buffer(layer, full=True)
+        buffer = self._filled_buffer(layer)
         buffer[0, :, :, self.num_history:].copy_(key_new)
         buffer[1, :, :, self.num_history:].copy_(value_new)
         return buffer[0], buffer[1]
@@ -131,7 +125,7 @@ class StepReads:
         kv = self.store.read_run(layer, hot_run)  # a view of the hot slab
         parts = [(kv[0].unsqueeze(0), kv[1].unsqueeze(0), hot_positions)]
         if gathered:
-            buffer = self._filled_buffer(layer, full=False)
+            buffer = self._filled_buffer(layer)
             parts.append((buffer[0], buffer[1], torch.cat([p for _, _, p in gathered])))
         return parts
 
@@ -147,19 +141,11 @@ class StepReads:
         self.counts["layers_paged"] += 1
         table, tags, starts, lens = self._paged
         store, bs = self.store, self.store.layout.block_size
-        sources = []
-        for tier in (HOT, WARM):
-            slab = store.tiers[tier].slab if store.tiers[tier] is not None and store.tiers[tier].num_slots else None
-            if slab is None:
-                sources.append(sources[0] if sources else None)
-                continue
-            if tier == HOT:  # [L, 2, H, S*bs, D] -> per K/V [S, H, bs, D]
-                k, v = (slab[layer, i].view(self._heads, -1, bs, self._dim).permute(1, 0, 2, 3) for i in (0, 1))
-            else:  # [S, L, 2, H, bs, D]
-                k, v = slab[:, layer, 0], slab[:, layer, 1]
-            sources.append((k, v))
-        if sources[1] is None:
-            sources = sources[:1]
+        hot = store.tiers[HOT].slab  # [L, 2, H, S*bs, D] -> per K/V [S, H, bs, D]
+        sources = [tuple(hot[layer, i].view(self._heads, -1, bs, self._dim).permute(1, 0, 2, 3) for i in (0, 1))]
+        warm = store.tiers[WARM]
+        if warm is not None and warm.num_slots:  # [S, L, 2, H, bs, D]; no tag 1 without it
+            sources.append((warm.slab[:, layer, 0], warm.slab[:, layer, 1]))
         return kernels.paged_decode(query, sources, table, tags, starts, lens, scale)
 
     def _paged_tables(self, attention_mask, device):
@@ -201,7 +187,7 @@ class StepReads:
         self._fetches.clear()
 
     # ---- filling buffers ---------------------------------------------------------------------
-    def _filled_buffer(self, layer: int, full: bool) -> torch.Tensor:
+    def _filled_buffer(self, layer: int) -> torch.Tensor:
         buffer = self.buffers.get(layer % 2, self._buffer_shape)
         self.counts["layers_streamed" if self.streams else "layers_gathered"] += 1
         if self.streams:
@@ -219,19 +205,15 @@ class StepReads:
     def _fill(self, layer: int, buffer: torch.Tensor) -> None:
         """Gather the layer's history (or, split, its non-view tokens) into `buffer`."""
         store = self.store
-        if self._split is not None:
-            store.read_runs_into(layer, [(run, buffer[:, 0, :, start:start + count], None)
-                                         for run, count, start in self._gathered_with_offsets()])
-            return
-        items = [(run, buffer[:, r, :, first:first + count], None)
-                 for r, segments in enumerate(self._history) for run, first, count in segments]
+        if self._split is not None:  # packed one after another, in the order of their positions
+            items, start = [], 0
+            for run, count, _ in self._split[1]:
+                items.append((run, buffer[:, 0, :, start:start + count], None))
+                start += count
+        else:
+            items = [(run, buffer[:, r, :, first:first + count], None)
+                     for r, segments in enumerate(self._history) for run, first, count in segments]
         store.read_runs_into(layer, items)
-
-    def _gathered_with_offsets(self):
-        start = 0
-        for run, count, _ in self._gathered:
-            yield run, count, start
-            start += count
 
     def _merge_split(self, step, store):
         """(hot positions, [(run, count, positions)] to gather) when attention can be split at
@@ -251,11 +233,11 @@ class StepReads:
                 gathered.append((run, count, torch.arange(first, first + count, device=store.device)))
         return hot[0].positions, gathered
 
-    def _gathered_runs(self):
-        """(row, first position, run) of every run this step gathers into a buffer."""
+    def _gathered_runs(self) -> list:
+        """Every run this step gathers into a buffer."""
         if self._split is not None:
-            return [(0, None, run) for run, _, _ in self._split[1]]
-        return [(r, first, run) for r, segments in enumerate(self._history) for run, first, _ in segments]
+            return [run for run, _, _ in self._split[1]]
+        return [run for segments in self._history for run, _, _ in segments]
 
 
 class LayerReads:

@@ -36,6 +36,11 @@ def exact_attention(module, query, key, value, attention_mask, **kwargs):
     reads = kwargs.pop(LAYER_KEY, None)
     if reads is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return _sdpa_over_full_kv(reads, module, query, attention_mask, **kwargs)
+
+
+def _sdpa_over_full_kv(reads, module, query, attention_mask, **kwargs):
+    """transformers' sdpa over the layer's whole K/V as the handle gives it (view or buffer)."""
     key, value = reads.full_kv()
     result = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     reads.done()
@@ -56,11 +61,7 @@ def merge_attention(module, query, key, value, attention_mask, scaling=None, dro
             return paged[0].unsqueeze(1).contiguous(), None
     parts = reads.parts()
     if parts is None:  # this step cannot be split (see LayerReads.parts): the exact path
-        key, value = reads.full_kv()
-        result = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                        **kwargs)
-        reads.done()
-        return result
+        return _sdpa_over_full_kv(reads, module, query, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     num_tokens, query_length = reads.num_tokens, query.shape[2]
     outs, lses = [], []
     for part_key, part_value, positions in parts:

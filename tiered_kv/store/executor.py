@@ -151,11 +151,15 @@ class PlanExecutor:
             self.mark_corrupt(move.block_id)  # frees its source slot, as the plan expects
             corrupt.append(move.block_id)
             return
-        self.free_slot(move.src_tier, entry.slot)
-        self.index.move(move.block_id, move.dst_tier, dst_slot)
-        self._count_move(move.src_tier, move.dst_tier)
-        self._record(move.block_id, move.src_tier, move.dst_tier)
-        self.persist_if_published(move.block_id)
+        self._commit_move(move.block_id, move.src_tier, entry.slot, move.dst_tier, dst_slot)
+
+    def _commit_move(self, block_id: int, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
+        """The block's copy landed in `dst_slot`: it lives there now (journalled, counted)."""
+        self.free_slot(src_tier, src_slot)
+        self.index.move(block_id, dst_tier, dst_slot)
+        self._count_move(src_tier, dst_tier)
+        self._record(block_id, src_tier, dst_tier)
+        self.persist_if_published(block_id)
 
     def evict(self, block_id: int) -> None:
         """Drop an unreferenced cached block (its data is discarded)."""
@@ -245,11 +249,7 @@ class PlanExecutor:
                 raise
             self._count(src_tier, dst_tier, len(batch) * self.block_bytes)
             for move, src_slot, dst_slot in zip(batch, src_slots, dst_slots):
-                self.free_slot(src_tier, src_slot)
-                self.index.move(move.block_id, dst_tier, dst_slot)
-                self._count_move(src_tier, dst_tier)
-                self._record(move.block_id, src_tier, dst_tier)
-                self.persist_if_published(move.block_id)
+                self._commit_move(move.block_id, src_tier, src_slot, dst_tier, dst_slot)
         if infeasible is not None:
             raise infeasible
 
@@ -290,11 +290,7 @@ class PlanExecutor:
                 self.copy_engine.after_host_to_device()  # staging may be refilled only once this copy read it
                 reads.release(k)
                 for move, src_slot, dst_slot in zip(chunk, slots[k], dst_slots):
-                    self.free_slot(src_tier, src_slot)
-                    self.index.move(move.block_id, dst_tier, dst_slot)
-                    self._count_move(src_tier, dst_tier)
-                    self._record(move.block_id, src_tier, dst_tier)
-                    self.persist_if_published(move.block_id)
+                    self._commit_move(move.block_id, src_tier, src_slot, dst_tier, dst_slot)
                 done_chunks = k + 1
                 self._count(src_tier, dst_tier, len(chunk) * self.block_bytes)
         except BaseException:

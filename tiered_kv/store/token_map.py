@@ -100,8 +100,7 @@ class TokenMapper:
     def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:
         """`[2, H, num_tokens, D]` on the compute device: one layer's K/V of the mapped tokens."""
         if len(runs) == 1 and runs[0].positions is None:
-            data = self._read_tokens(runs[0].tier, layer, runs[0].index)
-            return data if runs[0].tier == HOT else data.to(self.device, non_blocking=True)
+            return self.read_run(layer, runs[0])
         out = torch.empty((2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim),
                           dtype=self.dtype, device=self.device)
         for run in runs:

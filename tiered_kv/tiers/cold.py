@@ -173,22 +173,23 @@ class ColdTier(DurableRecords):
 
     def read_tokens(self, layer: int, index) -> torch.Tensor:
         num_tokens, _ = index
-        out = np.empty((2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim), dtype=self._np_dtype)
-        self._read_tokens_np(layer, index, out)
-        return self._to_torch(out)
+        out = self._to_torch(np.empty((2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim),
+                                      dtype=self._np_dtype))
+        self._read_tokens_host(layer, index, out)
+        return out
 
     def read_tokens_into(self, layer: int, index, out: torch.Tensor) -> None:
         """Like read_tokens, into `out` (`[2, H, n, D]`, a strided view is fine)."""
         if out.device.type != "cpu":
             out.copy_(self.read_tokens(layer, index))
             return
-        view = out.view(torch.uint16) if self.layout.dtype_name == "bfloat16" else out
-        self._read_tokens_np(layer, index, view.numpy(), out)  # numpy shares out's memory and strides
+        self._read_tokens_host(layer, index, out)
 
-    def _read_tokens_np(self, layer: int, index, out: np.ndarray, out_tensor: torch.Tensor | None = None) -> None:
+    def _read_tokens_host(self, layer: int, index, out: torch.Tensor) -> None:
         """The hot loop of a turn over cold history: per block, one preadv and one XXH3 of its
         slice of this layer (the general read path only when a read comes back short), into a
-        batch buffer; then one copy of the batch into `out` when the blocks are whole and in order."""
+        batch buffer; then one copy of the batch into `out` (a CPU tensor) when the blocks are
+        whole and in order."""
         _, groups = index
         entries = list(groups.items())
         batch, views = self._batch_scratch(len(entries))
@@ -214,24 +215,19 @@ class ColdTier(DurableRecords):
         first = entries[0][1][0] if entries and isinstance(entries[0][1], tuple) else None
         if first is not None and all(isinstance(items, tuple) and items == (first + i * bs, 0, bs)
                                      for i, (_, items) in enumerate(entries)):
-            n = len(entries)
-            if out_tensor is not None:  # one transposing copy; torch's runs on its intra-op threads
-                span = out_tensor[:, :, first:first + n * bs]
-                span.view(span.shape[0], span.shape[1], n, bs, span.shape[3]).copy_(
-                    self._to_torch(batch[:n]).permute(1, 2, 0, 3, 4))
-                return
+            n = len(entries)  # one transposing copy; torch's runs on its intra-op threads
             span = out[:, :, first:first + n * bs]
-            blocks = span.reshape(span.shape[0], span.shape[1], n, bs, span.shape[3])
-            if np.may_share_memory(blocks, out):  # a view, not a copy: one transposing copy
-                blocks[...] = batch[:n].transpose(1, 2, 0, 3, 4)
-                return
+            span.view(span.shape[0], span.shape[1], n, bs, span.shape[3]).copy_(
+                self._to_torch(batch[:n]).permute(1, 2, 0, 3, 4))
+            return
+        out_np = (out.view(torch.uint16) if self.layout.dtype_name == "bfloat16" else out).numpy()  # shares memory
         for i, (_, items) in enumerate(entries):
             if isinstance(items, tuple):  # (first position, first offset, count): one slice
                 position, offset, count = items
-                out[:, :, position:position + count] = batch[i][:, :, offset:offset + count]
+                out_np[:, :, position:position + count] = batch[i][:, :, offset:offset + count]
             else:
                 positions, offsets = _positions_and_offsets(items)
-                out[:, :, positions] = batch[i][:, :, offsets]
+                out_np[:, :, positions] = batch[i][:, :, offsets]
 
     def _batch_scratch(self, num_blocks: int) -> tuple[np.ndarray, list[memoryview]]:
         """`[>= num_blocks, 2, H, bs, D]` and a byte view of each row, reused (callers hold the

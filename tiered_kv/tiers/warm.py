@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..blocks import KVLayout
+from ..hw.block_copy import slot_runs
 from ..hw.memory import allocate_slab
 
 
@@ -82,24 +83,20 @@ class WarmTier:
         _, block_slots, first, count = index
         bs = self.layout.block_size
         slots = block_slots.tolist()
-        runs = _slot_runs(slots)
+        runs = slot_runs(range(len(slots)), slots)  # (first block, first slot, number of blocks)
         if len(runs) > max(4, len(slots) // 4):  # scattered slots: one gather beats many small copies
             out.copy_(self.read_tokens(layer, index))
             return
-        for start, length in runs:
+        for start, slot, length in runs:
             lo = max(start * bs, first)  # tokens of this run of blocks, in the request's order
             hi = min((start + length) * bs, first + count)
-            src = self.slab[slots[start]:slots[start] + length, layer]  # [k, 2, H, bs, D]
-            src = src.permute(1, 2, 0, 3, 4).reshape(2, src.shape[2], length * bs, src.shape[4]) \
-                if length == 1 else src.permute(1, 2, 0, 3, 4)
-            if length == 1:
-                out[:, :, lo - first:hi - first].copy_(src[:, :, lo - start * bs:hi - start * bs])
-            elif lo == start * bs and hi == (start + length) * bs:
-                dst = out[:, :, lo - first:hi - first]
+            src = self.slab[slot:slot + length, layer].permute(1, 2, 0, 3, 4)  # [2, H, k, bs, D]
+            dst = out[:, :, lo - first:hi - first]
+            if hi - lo == length * bs:  # whole blocks: one strided copy, no temporary
                 dst.view(dst.shape[0], dst.shape[1], length, bs, dst.shape[3]).copy_(src)
-            else:  # a partial first or last block: whole blocks in the middle, the edges alone
+            else:  # a partial first or last block
                 whole = src.reshape(src.shape[0], src.shape[1], length * bs, src.shape[4])
-                out[:, :, lo - first:hi - first].copy_(whole[:, :, lo - start * bs:hi - start * bs])
+                dst.copy_(whole[:, :, lo - start * bs:hi - start * bs])
 
     def _gather_with_kernel(self, layer: int, index, out: torch.Tensor) -> bool:
         """Whole warm blocks into a device buffer with native/gather_blocks.cu, which reads the
@@ -136,12 +133,3 @@ class WarmTier:
     def close(self) -> None:
         self.slab = None
 
-
-def _slot_runs(slots: list[int]) -> list[tuple[int, int]]:
-    """(index of the first block, number of blocks) of each run of consecutive slots."""
-    runs, start = [], 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1:
-            runs.append((start, i - start))
-            start = i
-    return runs
