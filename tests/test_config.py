@@ -161,6 +161,7 @@ def test_to_dict_exact():
         "scheduler": {"policy": "lru", "ali_window": 100, "ali_hot": 0.7, "ali_warm": 0.3, "bs_threshold": 0.8,
                       "cs_weight": 0.5, "default_cost_sensitivity": 0.5, "idle_steps": 1000, "background": True,
                       "mover_interval_s": 0.02, "max_fragmentation": 0.5, "min_contiguity": 0.9},
+        "metrics": {"enabled": True},
     }
 
 

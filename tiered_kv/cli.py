@@ -16,6 +16,16 @@ from pathlib import Path
 EXIT_USAGE = 2
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; give a port from 0 (any free one) to 65535")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -60,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run the bank as a plain Cache (no tiered_kv.hooks paged attention), to compare")
     chat.add_argument("--hooks-mode", choices=("exact", "merge"), default="exact",
                       help="tiered_kv.hooks mode: exact (bitwise sdpa) or merge (per-tier partials merged by LSE)")
+    chat.add_argument("--metrics-port", type=_port, default=None, metavar="N",
+                      help="serve Prometheus metrics on http://127.0.0.1:N/metrics during the chat (0: any free port)")
     _add_cold_commands(commands)
     return parser
 
@@ -111,6 +123,7 @@ def pick_messages(script: list[str], num_turns: int) -> list[str]:
 def _chat(args: argparse.Namespace) -> int:
     from . import CapacityError, ConfigError, CorruptBlockError, LayoutError, load_config
     from .chat import DEFAULT_NUM_TURNS, DEFAULT_USER_MESSAGES, run_chat
+    from .errors import MetricsPortError
     from .models import ModelNotFoundError, load_model
 
     try:
@@ -121,8 +134,13 @@ def _chat(args: argparse.Namespace) -> int:
         else:
             script = list(DEFAULT_USER_MESSAGES)
             num_turns = args.turns or DEFAULT_NUM_TURNS
+        server = _serve_metrics(args.metrics_port)  # before the model loads: a taken port fails fast
+    except (ConfigError, MetricsPortError, OSError, ValueError) as exc:
+        return _fail(exc, EXIT_USAGE)
+    try:
         model, tokenizer = load_model(args.model, progress=not args.no_progress, device=cfg.hot.device)
-    except (ConfigError, ModelNotFoundError, OSError, ValueError) as exc:
+    except (ModelNotFoundError, OSError, ValueError) as exc:
+        _close(server)
         return _fail(exc, EXIT_USAGE)
     try:
         run_chat(model, tokenizer, cfg, pick_messages(script, num_turns), args.max_new_tokens,
@@ -131,7 +149,24 @@ def _chat(args: argparse.Namespace) -> int:
         return _fail(exc, EXIT_USAGE)
     except (CapacityError, CorruptBlockError, LayoutError) as exc:
         return _fail(exc, 1)
+    finally:
+        _close(server)
     return 0
+
+
+def _serve_metrics(port: int | None):
+    if port is None:
+        return None
+    from .metrics import serve
+
+    server = serve(port)
+    print(f"metrics: {server.url} (Prometheus text, every live store)", file=sys.stderr)
+    return server
+
+
+def _close(server) -> None:
+    if server is not None:
+        server.close()
 
 
 def _inspect(args: argparse.Namespace) -> int:

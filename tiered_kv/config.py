@@ -28,7 +28,7 @@ import yaml
 from .errors import ConfigError
 
 __all__ = ["ALLOWED_BACKENDS", "ALLOWED_POLICIES", "BlockSizeAutoConfig", "ColdConfig", "Config", "HotConfig",
-           "SchedulerConfig", "WarmConfig", "load_config", "parse_size"]
+           "MetricsConfig", "SchedulerConfig", "WarmConfig", "load_config", "parse_size"]
 
 ALLOWED_BACKENDS = ("auto", "posix", "kvikio")
 ALLOWED_POLICIES = ("lru", "lfu", "fifo", "ali")
@@ -267,6 +267,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """The store's in-process metrics (tiered_kv/metrics/): counters and histograms per tier,
+    in `stats()["metrics"]` and exported to Prometheus by `tiered_kv.metrics.serve(port)`.
+    `enabled: false` records nothing (the move and hit counters in stats() then stay 0)."""
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise _error("metrics.enabled", self.enabled, "true or false")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
 class BlockSizeAutoConfig:
     """How `block_size: auto` picks the block size: the first class whose `max_context_tokens`
     is >= `expected_context_tokens` (None: the open-ended last class, any longer context).
@@ -329,7 +344,7 @@ class BlockSizeAutoConfig:
 
 
 _SECTION_TYPES: dict[str, type] = {"hot": HotConfig, "warm": WarmConfig, "cold": ColdConfig,
-                                   "scheduler": SchedulerConfig}
+                                   "scheduler": SchedulerConfig, "metrics": MetricsConfig}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,6 +361,7 @@ class Config:
     warm: WarmConfig = field(default_factory=WarmConfig)
     cold: ColdConfig = field(default_factory=ColdConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     block_size_spec: int | str = field(init=False)  # 16 or "auto": what the config asked for
 
     def __post_init__(self) -> None:
@@ -394,7 +410,8 @@ _WATERMARK_KEYS = ("high_watermark", "low_watermark")
 _SECTION_KEYS = {"hot": ("device", "capacity", "capacity_blocks", *_WATERMARK_KEYS),
                  "warm": ("capacity", "capacity_blocks", "pinned", *_WATERMARK_KEYS),
                  "cold": ("path", "capacity", "capacity_blocks", "backend", "fsync", *_WATERMARK_KEYS),
-                 "scheduler": tuple(f.name for f in dataclasses.fields(SchedulerConfig))}
+                 "scheduler": tuple(f.name for f in dataclasses.fields(SchedulerConfig)),
+                 "metrics": tuple(f.name for f in dataclasses.fields(MetricsConfig))}
 _AUTO_KEYS = tuple(f.name for f in dataclasses.fields(BlockSizeAutoConfig))
 _TOP_KEYS = ("block_size", *_SECTION_TYPES, BlockSizeAutoConfig.SECTION)
 

@@ -23,3 +23,7 @@ class LayoutError(ValueError):
 
 class BankClosedError(RuntimeError):
     """A CacheBank was used after close(): its blocks were released. Create a new bank."""
+
+
+class MetricsPortError(OSError):
+    """The metrics server could not listen on its port (taken, or not allowed); the message names it."""

@@ -100,6 +100,7 @@ class CacheBank(Stepping, ChatOps, Cache):
                                  else float(cost_sensitivity))
         self._critical_path = {"demote_s": 0.0, "promote_s": 0.0}
         self._turn_counted = False
+        self._turn_started_s: float | None = None  # when the current turn began, until its first forward ends
         self._layout_no_dtype = layout_from_model_config(model.config if is_model else model, self.config.block_size)
         self.num_layers = self._layout_no_dtype.num_layers
         self.fingerprint = ModelFingerprint.of(model, self.config.block_size, model_id)

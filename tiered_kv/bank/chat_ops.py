@@ -9,6 +9,8 @@ alone, which cannot see any and keeps that trust to itself (it never publishes).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..block_index import NO_TIER
@@ -28,6 +30,7 @@ class ChatOps:
         At least one token is always left to compute."""
         self._check_open()
         self._abandon_step()
+        started_s = time.perf_counter()
         token_ids = self._as_token_list(ids)
         if len(self._rows) > 1:
             raise ValueError(f"attach() serves one sequence; this bank holds {len(self._rows)} (call reset())")
@@ -48,6 +51,10 @@ class ChatOps:
         if self._rows:
             self._promote_all(turn_start=True)
             self._turn_counted = True  # the step that follows is this same turn
+        metrics = self.store.metrics
+        metrics.turns.inc()
+        metrics.tokens_reused.inc((), self._seq_len)
+        self._turn_started_s = started_s  # time to first token runs to the end of the next forward
         return self._seq_len
 
     def _can_look_up(self) -> bool:

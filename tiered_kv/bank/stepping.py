@@ -9,6 +9,7 @@ lazily at the bank's next use). Tokens are published here, a few new blocks per 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -78,6 +79,9 @@ class Stepping:
                 f"CacheBank holds {len(self._rows)} sequences but the model passed a batch of {num_rows}; "
                 "use batch_select_indices / batch_repeat_interleave, or reset() the bank")
         num_tokens = self._seq_len + num_new
+        if num_new > 1 and self._turn_started_s is None:  # a turn without attach() starts here
+            self._turn_started_s = time.perf_counter()
+            self.store.metrics.turns.inc()
         self._check_fits(num_rows, num_tokens)
         inputs = self._take_inputs(num_rows, num_new)
         store, block_size = self.store, self.config.block_size
@@ -173,6 +177,7 @@ class Stepping:
                         row.num_verified_tokens = step.num_tokens
                 self._publish(row)
             self._seq_len = step.num_tokens
+            self._count_step(step)
             self._placement_cache.remember(step.placement_version, [row.table for row in self._rows], step.placements)
             self._step = None
             if step.hooked:
@@ -182,6 +187,15 @@ class Stepping:
             if replaced:
                 store.release(replaced)
                 self._block_set = {b for row in self._rows for b in row.table}
+
+    def _count_step(self, step: Step) -> None:
+        """Tokens computed by kind; the turn's time to first token at the end of its first forward."""
+        metrics = self.store.metrics
+        metrics.tokens_computed.inc(("prefill" if step.num_new_tokens > 1 else "decode",),
+                                    step.num_new_tokens * len(self._rows))
+        if self._turn_started_s is not None:
+            metrics.ttft.observe((), time.perf_counter() - self._turn_started_s)
+            self._turn_started_s = None
 
     def _publish(self, row: Row) -> None:
         """Publish the row's newly full, verified blocks (O(new blocks) a step)."""

@@ -27,6 +27,7 @@ import torch
 from ..block_index import BlockIndex
 from ..errors import CorruptBlockError
 from ..hw.block_copy import BlockCopier
+from ..metrics.registry import BACKGROUND, ON_DEMAND, Metrics
 from ..pool import SlotPool
 from ..scheduler import COLD, DROPPED, HOT, TIER_NAMES, WARM, Move, Plan
 
@@ -35,7 +36,8 @@ log = logging.getLogger("tiered_kv")
 
 class PlanExecutor:
     def __init__(self, tiers: list, pools: list[SlotPool], index: BlockIndex, staging: torch.Tensor,
-                 copy_engine, link_monitor, block_bytes: int, is_pinned, block_copier: BlockCopier | None = None):
+                 copy_engine, link_monitor, block_bytes: int, is_pinned, block_copier: BlockCopier | None = None,
+                 metrics: Metrics | None = None):
         self.tiers = tiers
         self.pools = pools
         self.index = index
@@ -46,17 +48,48 @@ class PlanExecutor:
         self.block_bytes = block_bytes
         self.is_pinned = is_pinned
         self.quarantined: list[tuple[int, int, int]] = []  # (block, tier, slot) of pinned corrupt blocks
-        self.bytes_moved = {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
+        self.metrics = metrics if metrics is not None else Metrics()
         self._journals: dict[int, list[Move]] = {}  # thread id -> moves applied while it records
         self._reader: ThreadPoolExecutor | None = None  # reads cold chunks ahead (see _Reads)
-        # what moved: blocks per direction, bytes on demand (a caller waited) vs in the background,
-        # and seconds callers spent moving (store-wide, and per thread for a bank's own figures)
-        self.num_moves = {"promotions": 0, "demotions": 0, "evictions": 0}
-        self.bytes_on_demand = 0
-        self.bytes_background = 0
-        self.num_relocations = 0  # compaction moves within the hot tier
-        self.move_s = {"demote": 0.0, "promote": 0.0}
+        # what moved is counted in `metrics` (the store's); seconds callers spent moving are also
+        # kept per thread, for a bank's own figures
         self._thread_move_s = threading.local()
+
+    # ---- what moved, read back from the store's metrics ----------------------------------------
+    @property
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes moved per direction ("hot->warm": n), on demand and background together."""
+        out = {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
+        for (src, dst, _), num_bytes in list(self.metrics.bytes_moved.values.items()):
+            out[f"{src}->{dst}"] += int(num_bytes)
+        return out
+
+    def _bytes_in_mode(self, mode: str) -> int:
+        return int(sum(n for (_, _, m), n in list(self.metrics.bytes_moved.values.items()) if m == mode))
+
+    @property
+    def bytes_on_demand(self) -> int:
+        return self._bytes_in_mode(ON_DEMAND)
+
+    @property
+    def bytes_background(self) -> int:
+        return self._bytes_in_mode(BACKGROUND)
+
+    @property
+    def num_moves(self) -> dict[str, int]:
+        m = self.metrics
+        return {"promotions": int(m.promotions.value()), "demotions": int(m.demotions.value()),
+                "evictions": int(m.evictions.value())}
+
+    @property
+    def num_relocations(self) -> int:
+        """Compaction moves within the hot tier."""
+        return int(self.metrics.relocations.value())
+
+    @property
+    def move_s(self) -> dict[str, float]:
+        seconds = self.metrics.move_seconds
+        return {"demote": seconds.value(("demote",)), "promote": seconds.value(("promote",))}
 
     def thread_move_seconds(self) -> dict:
         """Seconds this thread has spent in demand moves so far (demote, promote)."""
@@ -65,18 +98,24 @@ class PlanExecutor:
             totals = self._thread_move_s.totals = {"demote": 0.0, "promote": 0.0}
         return totals
 
-    def _timed(self, direction: str, start_s: float) -> None:
+    def _timed(self, direction: str, start_s: float, src_tier: int | None = None, dst_tier: int | None = None) -> None:
+        """A caller waited since `start_s` for moves (between `src_tier` and `dst_tier` when known)."""
         elapsed = time.perf_counter() - start_s
-        self.move_s[direction] += elapsed
+        self.metrics.move_seconds.inc((direction,), elapsed)
+        if src_tier is not None:
+            self.metrics.copy_seconds.observe((TIER_NAMES[src_tier], TIER_NAMES[dst_tier]), elapsed)
         self.thread_move_seconds()[direction] += elapsed
 
     def _count_move(self, src_tier: int, dst_tier: int) -> None:
+        m = self.metrics
         if dst_tier == DROPPED:
-            self.num_moves["evictions"] += 1
-        elif dst_tier > src_tier:
-            self.num_moves["demotions"] += 1
+            m.evictions.inc()
+            return
+        m.blocks_moved.inc((TIER_NAMES[src_tier], TIER_NAMES[dst_tier]))
+        if dst_tier > src_tier:
+            m.demotions.inc()
         elif dst_tier < src_tier:
-            self.num_moves["promotions"] += 1
+            m.promotions.inc()
 
     # ---- a journal of moves, so a failed step can put blocks back ------------------------------
     def start_journal(self) -> None:
@@ -109,12 +148,12 @@ class PlanExecutor:
             batch = self._take_cold_batch(moves) if batch_cold_moves else []
             if batch:
                 corrupt += self._apply_batch(batch)
-                self._timed("demote" if batch[0].dst_tier > batch[0].src_tier else "promote", start_s)
+                self._timed_batch(batch, start_s)
                 continue
             batch = self._take_link_batch(moves)
             if batch:
                 self._apply_link_batch(batch, hot_slots)
-                self._timed("demote" if batch[0].dst_tier > batch[0].src_tier else "promote", start_s)
+                self._timed_batch(batch, start_s)
                 continue
             move = moves.pop(0)
             entry = self.index.get(move.block_id)
@@ -124,9 +163,13 @@ class PlanExecutor:
                 self.evict(move.block_id)
                 continue
             self._apply_one(move, entry, corrupt, hot_slots.pop(move.block_id, None))
-            self._timed("demote" if move.dst_tier > move.src_tier else "promote", start_s)
+            self._timed_batch([move], start_s)
         self.copy_engine.before_device_use()
         return corrupt  # durability is the cold tier's writer thread's: nothing waits for it here
+
+    def _timed_batch(self, moves: list, start_s: float) -> None:
+        first = moves[0]
+        self._timed("demote" if first.dst_tier > first.src_tier else "promote", start_s, first.src_tier, first.dst_tier)
 
     def _reserve_hot_run(self, moves: list[Move], batch_cold_moves: bool) -> dict[int, int]:
         """Consecutive hot slots for the plan's block-by-block moves into hot (a chat's history
@@ -164,7 +207,7 @@ class PlanExecutor:
     def evict(self, block_id: int) -> None:
         """Drop an unreferenced cached block (its data is discarded)."""
         self.free_block(block_id)
-        self.num_moves["evictions"] += 1
+        self.metrics.evictions.inc()
 
     def commit_background_move(self, block_id: int, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
         """A background copy landed in `dst_slot`: the block lives there from now on (a move
@@ -172,7 +215,7 @@ class PlanExecutor:
         self.free_slot(src_tier, src_slot)
         if src_tier == dst_tier:
             self.index.relocate(block_id, dst_slot)
-            self.num_relocations += 1
+            self.metrics.relocations.inc()
             return
         self.index.move(block_id, dst_tier, dst_slot)
         self._count_move(src_tier, dst_tier)
@@ -323,11 +366,8 @@ class PlanExecutor:
             self._count(src_tier, dst_tier, self.block_bytes)
 
     def _count(self, src_tier: int, dst_tier: int, num_bytes: int, background: bool = False) -> None:
-        self.bytes_moved[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += num_bytes
-        if background:
-            self.bytes_background += num_bytes
-        else:
-            self.bytes_on_demand += num_bytes
+        self.metrics.bytes_moved.inc((TIER_NAMES[src_tier], TIER_NAMES[dst_tier], BACKGROUND if background else ON_DEMAND),
+                                     num_bytes)
         if HOT in (src_tier, dst_tier):
             self.link_monitor.record(num_bytes)
 
@@ -360,6 +400,7 @@ class PlanExecutor:
             return
         log.warning("tiered_kv: block %d in %s slot %d failed its checksum; it will be recomputed",
                     block_id, TIER_NAMES[entry.tier], entry.slot)
+        self.metrics.checksum_failures.inc((TIER_NAMES[entry.tier],))
         if self.is_pinned(block_id):
             self.quarantined.append((block_id, entry.tier, entry.slot))
         else:
@@ -410,7 +451,10 @@ class _Reads:
         return self.buffers[k % len(self.buffers)][:self.sizes[k]]
 
     def _read_cold(self, k: int) -> None:
+        seconds = self.executor.metrics.read_seconds
+        start = seconds.start()
         self.executor.tiers[COLD].read_blocks(self.slots[k], out=self._buffer(k))
+        seconds.stop(("cold",), start)
 
     def _start(self, k: int) -> None:
         if self.executor._reader is None:

@@ -9,6 +9,25 @@ from ..scheduler import COLD, HOT, TIER_NAMES, WARM
 
 
 class Reporting:
+    # ---- counters, read back from the store's metrics (tiered_kv/metrics/registry.py) ----------
+    @property
+    def hits(self) -> dict[str, int]:
+        """Blocks found by banks' steps, by the tier each was in."""
+        return {name: int(self.metrics.hits.value((name,))) for name in TIER_NAMES}
+
+    @property
+    def misses(self) -> int:
+        return int(self.metrics.misses.value())
+
+    @property
+    def turn_hits(self) -> dict[str, int]:
+        """Blocks turns needed, by the tier each was in when its turn began."""
+        return {name: int(self.metrics.turn_blocks.value((name,))) for name in TIER_NAMES}
+
+    @property
+    def turn_blocks(self) -> int:
+        return int(self.metrics.turn_blocks.total())
+
     @property
     def bytes_moved(self) -> dict:
         if self._executor is None:
@@ -39,19 +58,20 @@ class Reporting:
                    "bytes_moved": dict(self.bytes_moved), "link_saturation": self.link_monitor.saturation()}
             out.update(self._scheduler_stats())
             out.update(self.layout_stats())  # fragmentation, contiguity, contiguity_min (layout.py)
+            out["metrics"] = self.metrics.snapshot()  # every counter and histogram (tiered_kv/metrics/)
             return out
 
     def _scheduler_stats(self) -> dict:
         """Hit rates per tier, moves by direction, background vs on-demand bytes, critical-path
         seconds, and the scheduler's current view (ALI of the live chats, BS, CS)."""
-        turn_blocks = self.turn_blocks
+        turn_blocks, turn_hits = self.turn_blocks, self.turn_hits
         executor = self._executor
         moves = dict(executor.num_moves) if executor is not None else {"promotions": 0, "demotions": 0, "evictions": 0}
         move_s = dict(executor.move_s) if executor is not None else {"demote": 0.0, "promote": 0.0}
         mover = self._mover
         log = self.access_log
         return {
-            "hit_rate": {name: (self.turn_hits[name] / turn_blocks if turn_blocks else None) for name in TIER_NAMES},
+            "hit_rate": {name: (turn_hits[name] / turn_blocks if turn_blocks else None) for name in TIER_NAMES},
             "turn_blocks": turn_blocks,
             "moves": moves,
             "bytes_on_demand": executor.bytes_on_demand if executor is not None else 0,

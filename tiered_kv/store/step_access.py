@@ -136,16 +136,13 @@ class StepAccess:
             self.index.touch(block_ids)
 
     def count_hits(self, tier_counts: dict[int, int]) -> None:
-        with self.lock:
-            for tier, count in tier_counts.items():
-                self.hits[TIER_NAMES[tier]] += count
+        for tier, count in tier_counts.items():
+            self.metrics.hits.inc((TIER_NAMES[tier],), count)
 
     def count_turn_start(self, tier_counts: dict[int, int]) -> None:
         """A turn began needing these blocks, found in these tiers (the hit-rate figures)."""
-        with self.lock:
-            for tier, count in tier_counts.items():
-                self.turn_hits[TIER_NAMES[tier]] += count
-                self.turn_blocks += count
+        for tier, count in tier_counts.items():
+            self.metrics.turn_blocks.inc((TIER_NAMES[tier],), count)
 
     # ---- undoing a failed step's moves -------------------------------------------------------
     def start_journal(self) -> None:

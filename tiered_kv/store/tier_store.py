@@ -36,6 +36,8 @@ from ..hw.block_copy import BlockCopier, device_staging
 from ..hw.copy_engine import make_copy_engine
 from ..hw.devices import resolve_device, resolve_pinned
 from ..hw.link_monitor import make_link_monitor
+from ..metrics.registry import Metrics
+from ..metrics.stores import register_store
 from ..pool import SlotPool
 from ..scheduler import COLD, HOT, TIER_NAMES, WARM, MemScheduler
 from ..scheduler.access_log import AccessLog
@@ -99,10 +101,9 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
         self.mapper: TokenMapper | None = None
         self._pinned_by_step: dict[int, set[int]] = {}  # step owner -> its blocks
         self._deferred: deque = deque()  # (block ids, step owner) of banks the GC collected
-        self.hits = {name: 0 for name in TIER_NAMES}
-        self.misses = 0
-        self.turn_hits = {name: 0 for name in TIER_NAMES}  # blocks a turn needed, by tier when it began
-        self.turn_blocks = 0
+        # counters and histograms of everything below (stats()["metrics"], tiered_kv.metrics.serve)
+        self.metrics = Metrics(self.config.metrics.enabled)
+        register_store(self)
         self._closed = False
         self._num_owners = 0  # banks that created this store and close it together
         self._cold_directory: ColdDirectory | None = None
@@ -171,8 +172,10 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
             self._import_durable_records(tiers[COLD], pools[COLD])
         self.tiers, self.pools = tiers, pools
         self._executor = PlanExecutor(tiers, pools, self.index, staging, self.copy_engine, self.link_monitor,
-                                      layout.block_bytes, self.is_pinned, block_copier)
-        self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.copy_engine)
+                                      layout.block_bytes, self.is_pinned, block_copier, self.metrics)
+        self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.copy_engine, self.metrics)
+        if tiers[COLD] is not None:
+            tiers[COLD].metrics = self.metrics  # its durable writer times its writes and counts failures
         self.layout, self.dtype = layout, dtype
         tier_cfgs = (cfg.hot, cfg.warm, cfg.cold)
         self.watermarks = Watermarks(
@@ -309,7 +312,7 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
             for key in keys:
                 block_id = self.index.lookup(key)
                 if block_id is None or self.index.get(block_id).is_corrupt:
-                    self.misses += 1
+                    self.metrics.misses.inc()
                     break
                 found.append(block_id)
             for block_id in found:

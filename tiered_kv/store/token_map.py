@@ -14,7 +14,8 @@ import torch
 
 from ..block_index import NO_TIER
 from ..errors import CorruptBlockError
-from ..scheduler import COLD, HOT, WARM
+from ..metrics.registry import Metrics
+from ..scheduler import COLD, HOT, TIER_NAMES, WARM
 
 
 def raise_if_corrupt(block_tiers: np.ndarray, labels: np.ndarray, what: str) -> None:
@@ -37,8 +38,10 @@ class TierRun:
 class TokenMapper:
     """Builds TierRuns from block placements and moves one layer's K/V through them."""
 
-    def __init__(self, tiers: list, layout, device: torch.device, dtype: torch.dtype, copy_engine):
+    def __init__(self, tiers: list, layout, device: torch.device, dtype: torch.dtype, copy_engine,
+                 metrics: Metrics | None = None):
         self.tiers = tiers
+        self.metrics = metrics if metrics is not None else Metrics(enabled=False)
         self.layout = layout
         self.device = device
         self.dtype = dtype
@@ -120,22 +123,29 @@ class TokenMapper:
             out.index_copy_(2, positions, self._read_tokens(run.tier, layer, run.index).to(self.device,
                                                                                         non_blocking=True))
             return
+        start = None
         if run.tier != HOT:
             self.copy_engine.before_host_read()
+            start = self.metrics.read_seconds.start()
         try:
             self.tiers[run.tier].read_tokens_into(layer, run.index, out)
         except CorruptBlockError as error:
             error.tier = run.tier
             raise
+        self.metrics.read_seconds.stop((TIER_NAMES[run.tier],), start)
 
     def _read_tokens(self, tier: int, layer: int, index) -> torch.Tensor:
+        start = None
         if tier != HOT:
             self.copy_engine.before_host_read()
+            start = self.metrics.read_seconds.start()
         try:
-            return self.tiers[tier].read_tokens(layer, index)
+            data = self.tiers[tier].read_tokens(layer, index)
         except CorruptBlockError as error:
             error.tier = tier  # with error.slot: the store finds the block and marks it
             raise
+        self.metrics.read_seconds.stop((TIER_NAMES[tier],), start)
+        return data
 
     def write_layer(self, layer: int, runs: list[TierRun], kv: torch.Tensor) -> None:
         """Store `kv` (`[2, H, t, D]`) for the mapped tokens of one layer, wherever they live."""

@@ -15,6 +15,7 @@ reaches the disk, and a withdrawn slot gets its row deleted in queue order.
 
 from __future__ import annotations
 
+import errno
 import logging
 import sqlite3
 import sys
@@ -36,6 +37,8 @@ class DurableRecords:
     """ColdTier's durability methods. Uses the tier's `layout`, `num_slots`, `io`, `index`,
     `file_path`, `valid`, `checksums`, `_durable`, `_generation`, `_state_lock`, `_writer`,
     `_index_usable`, `_header_at(slot)` and `_zero_header`."""
+
+    metrics = None  # the store's Metrics, set when it binds: write times and failures are counted there
 
     def durable_records(self) -> list[tuple[int, bytes, bytes]]:
         """(slot, key, root) of the records found durable at open, least recently used first. Their
@@ -115,6 +118,10 @@ class DurableRecords:
 
     def _persist_failed(self, slots: list[int], error: BaseException) -> None:
         log.warning("cold tier %s: slots %s did not become durable (%s)", self.file_path, slots, error)
+        if self.metrics is not None:
+            code = getattr(error, "errno", None)
+            name = errno.errorcode.get(code, type(error).__name__) if code is not None else type(error).__name__
+            self.metrics.write_errors.inc(("cold", name), len(slots))
 
 
 @dataclass
@@ -184,8 +191,12 @@ class DurableWriter:
                 if not self._ops:
                     return
                 batch, self._ops = self._ops, []
+            metrics = self._tier.metrics
+            start = metrics.write_seconds.start() if metrics is not None else None
             try:
                 self._apply(batch)
+                if metrics is not None:
+                    metrics.write_seconds.stop(("cold",), start)
             except BaseException as exc:  # never lose the thread: report at the next flush
                 log.warning("cold tier %s: a batch of %d index operations failed: %s",
                             self._tier.file_path, len(batch), exc)
