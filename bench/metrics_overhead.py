@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""What metrics cost: decode tokens/s through CacheBank with `metrics.enabled` true vs false.
+
+Two banks, in two stores configured alike but for `metrics.enabled`, generate the same greedy
+tokens from the same prompt under tiered_kv.hooks (exact), as `tiered-kv chat` does. Per round
+each bank re-attaches the prompt (its KV is reused, one token recomputed) and decodes `--steps`
+tokens; decode tokens/s = (new tokens - 1) / (time from the first new token to the last).
+Rounds alternate which bank goes first. Reported: median tokens/s of each, and on / off
+(target >= 0.98: the metrics cost at most 2% of decode speed).
+
+Placements (`--placements`):
+  * hot     - everything in hot: the counters of a step (hits, tokens) and the TTFT histogram;
+  * offload - hot holds a quarter of the context, the rest sits in warm and cold: every layer of
+              every step also reads warm and cold runs, each read timed into a histogram (the
+              most observations per step metrics ever make).
+The model has SmolLM2-135M's KV shape (30 layers, 3 KV heads, head_dim 64) with next to no
+compute (as bench/overhead.py), so a step is mostly the cache's own work and any metrics cost
+shows; with the real model it would be a smaller share still.
+
+    python bench/metrics_overhead.py                                   # 2048-token context, 9 rounds
+    python bench/metrics_overhead.py --context 64 --steps 3 --rounds 1  # smoke size
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+# measure the tiered_kv of this checkout, not whichever one an editable install points at
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tiered_kv  # noqa: E402
+from tiered_kv import hooks  # noqa: E402
+
+TARGET_RATIO = 0.98
+PLACEMENTS = ("hot", "offload")
+VARIANTS = ("on", "off")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--context", type=int, default=2048, help="prompt tokens")
+    parser.add_argument("--steps", type=int, default=32, help="new tokens per round")
+    parser.add_argument("--rounds", type=int, default=9, help="timed rounds per bank (medians reported)")
+    parser.add_argument("--placements", default=",".join(PLACEMENTS), help="comma-separated: hot, offload")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write all results to this JSON file")
+    args = parser.parse_args(argv)
+    args.placement_list = [p for p in args.placements.split(",") if p]
+    if not args.placement_list or any(p not in PLACEMENTS for p in args.placement_list):
+        parser.error(f"--placements: got {args.placements!r}; allowed: a comma-separated subset of {PLACEMENTS}")
+    for name in ("context", "steps", "rounds", "block_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (decode speed is timed after the first new token)")
+    return args
+
+
+def build_model(seed: int, max_tokens: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=256, hidden_size=72, intermediate_size=128, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         max_position_embeddings=max_tokens)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+class _FirstToken(BaseStreamer):
+    def __init__(self) -> None:
+        self.puts, self.first_s = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_s = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def config_for(placement: str, context: int, steps: int, block_size: int, cold_dir: str, enabled: bool) -> dict:
+    blocks = math.ceil((context + steps) / block_size) + 2
+    hot = blocks if placement == "hot" else max(4, blocks // 4)
+    return {"block_size": block_size, "hot": {"device": "cpu", "capacity_blocks": hot},
+            "warm": {"capacity_blocks": 0 if placement == "hot" else blocks // 2},
+            "cold": {"capacity_blocks": 0 if placement == "hot" else blocks, "path": cold_dir},
+            "scheduler": {"background": False}, "metrics": {"enabled": enabled}}
+
+
+def decode_round(model, bank, prompt: torch.Tensor, steps: int) -> tuple[float, list[int]]:
+    bank.attach(prompt)
+    timer = _FirstToken()
+    out = model.generate(prompt, cache=bank, attention_mask=torch.ones_like(prompt), max_new_tokens=steps,
+                         min_new_tokens=steps, do_sample=False, streamer=timer)
+    end_s = time.perf_counter()
+    return (steps - 1) / (end_s - timer.first_s), out[0, prompt.shape[1]:].tolist()
+
+
+def measure(model, placement: str, args, tmp: str) -> dict:
+    prompt = torch.randint(1, model.config.vocab_size, (1, args.context),
+                           generator=torch.Generator().manual_seed(args.seed))
+    banks = {}
+    for variant in VARIANTS:
+        cfg = config_for(placement, args.context, args.steps, args.block_size, os.path.join(tmp, placement, variant),
+                         enabled=variant == "on")
+        banks[variant] = tiered_kv.CacheBank(model, cfg)
+    samples = {variant: [] for variant in VARIANTS}
+    tokens = {}
+    hooks.install(model, banks["on"], mode="exact")  # one install serves both banks (the mode is the model's)
+    try:
+        with torch.no_grad():
+            for variant in VARIANTS:  # warm-up: the prefill and first-call costs stay out
+                _, tokens[variant] = decode_round(model, banks[variant], prompt, args.steps)
+            for round_idx in range(args.rounds):
+                for variant in (VARIANTS if round_idx % 2 == 0 else VARIANTS[::-1]):
+                    gc.collect()
+                    rate, _ = decode_round(model, banks[variant], prompt, args.steps)
+                    samples[variant].append(rate)
+    finally:
+        hooks.uninstall(model)
+    stats = {variant: banks[variant].stats() for variant in VARIANTS}
+    for bank in banks.values():
+        bank.close()
+    median = {variant: statistics.median(values) for variant, values in samples.items()}
+    metrics_on = stats["on"]["metrics"]
+    return {
+        "placement": placement,
+        "tokens_equal": tokens["on"] == tokens["off"],
+        "tokens_per_s": median, "samples_tokens_per_s": samples,
+        "ratio_on_off": median["on"] / median["off"],
+        "bank_blocks": {variant: stats[variant]["bank_blocks"] for variant in VARIANTS},
+        "read_observations": {tier: s["count"] for tier, s in metrics_on["read_seconds"].items()},
+        "off_counted_nothing": sum(stats["off"]["metrics"]["hits_total"].values()) == 0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    load_before = os.getloadavg()
+    model = build_model(args.seed, args.context + args.steps + 8)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tkv-metrics-bench-") as tmp:
+        for placement in args.placement_list:
+            row = measure(model, placement, args, tmp)
+            rows.append(row)
+            print(f"{placement:>8}: metrics on {row['tokens_per_s']['on']:.1f} tok/s, off {row['tokens_per_s']['off']:.1f} "
+                  f"tok/s -> on/off {row['ratio_on_off']:.3f} (target >= {TARGET_RATIO}); tokens equal: "
+                  f"{row['tokens_equal']}; reads timed: {row['read_observations']}")
+    load_after = os.getloadavg()
+    result = {
+        "args": {k: v for k, v in vars(args).items() if k != "placement_list"},
+        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+        "load_average_before": load_before, "load_average_after": load_after,
+        "placements": rows,
+        "summary": {"target_ratio": TARGET_RATIO,
+                    "met": all(r["ratio_on_off"] >= TARGET_RATIO for r in rows),
+                    "tokens_equal_everywhere": all(r["tokens_equal"] for r in rows)},
+    }
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; "
+          f"target met: {result['summary']['met']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

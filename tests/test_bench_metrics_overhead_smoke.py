@@ -1,0 +1,36 @@
+"""Smoke test of bench/metrics_overhead.py at its smallest size."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "metrics_overhead.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_metrics_overhead", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_metrics_overhead_bench_smallest_size(tmp_path):
+    out_json = tmp_path / "metrics.json"
+    assert _load_bench().main(["--context", "80", "--steps", "3", "--rounds", "1", "--json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())
+    rows = {row["placement"]: row for row in result["placements"]}
+    assert set(rows) == {"hot", "offload"}
+    for name, row in rows.items():
+        assert row["tokens_equal"] is True, name
+        assert row["off_counted_nothing"] is True, name
+        on, off = row["tokens_per_s"]["on"], row["tokens_per_s"]["off"]
+        assert all(math.isfinite(v) and v > 0 for v in (on, off)), name
+        assert math.isclose(row["ratio_on_off"], on / off), name
+    # offload reads history out of the lower tiers each layer and step: those reads were timed
+    assert rows["offload"]["read_observations"].get("warm", 0) > 0
+    assert rows["hot"]["read_observations"] == {}
+    assert rows["offload"]["bank_blocks"]["on"]["warm"] > 0
+    assert set(result["summary"]) == {"target_ratio", "met", "tokens_equal_everywhere"}
