@@ -17,6 +17,11 @@ The model has SmolLM2-135M's KV shape (30 layers, 3 KV heads, head_dim 64) with 
 compute (as bench/overhead.py), so a step is mostly the cache's own work and any metrics cost
 shows; with the real model it would be a smaller share still.
 
+On a shared 2-core machine the A/B ratio is noisy (a few % either way), so the bench also
+counts what metrics do per decode step (every Counter.inc / Histogram.observe call, counted by
+wrapping them during one extra round) and times those calls in a tight loop: ops per step x
+ns per op / step time is the metrics' share of a step, independent of the load.
+
     python bench/metrics_overhead.py                                   # 2048-token context, 9 rounds
     python bench/metrics_overhead.py --context 64 --steps 3 --rounds 1  # smoke size
 """
@@ -42,6 +47,7 @@ from transformers.generation.streamers import BaseStreamer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tiered_kv  # noqa: E402
 from tiered_kv import hooks  # noqa: E402
+from tiered_kv.metrics import registry  # noqa: E402
 
 TARGET_RATIO = 0.98
 PLACEMENTS = ("hot", "offload")
@@ -134,11 +140,15 @@ def measure(model, placement: str, args, tmp: str) -> dict:
                     samples[variant].append(rate)
     finally:
         hooks.uninstall(model)
+        ops = count_ops(lambda: decode_round(model, banks["on"], prompt, args.steps))
     stats = {variant: banks[variant].stats() for variant in VARIANTS}
     for bank in banks.values():
         bank.close()
     median = {variant: statistics.median(values) for variant, values in samples.items()}
     metrics_on = stats["on"]["metrics"]
+    ns = op_ns()
+    ops_per_step = {name: count / args.steps for name, count in ops.items()}
+    cost_s = (ops_per_step["inc"] * ns["inc"] + ops_per_step["observe"] * ns["start_observe"]) * 1e-9
     return {
         "placement": placement,
         "tokens_equal": tokens["on"] == tokens["off"],
@@ -147,7 +157,43 @@ def measure(model, placement: str, args, tmp: str) -> dict:
         "bank_blocks": {variant: stats[variant]["bank_blocks"] for variant in VARIANTS},
         "read_observations": {tier: s["count"] for tier, s in metrics_on["read_seconds"].items()},
         "off_counted_nothing": sum(stats["off"]["metrics"]["hits_total"].values()) == 0,
+        "ops_per_step": ops_per_step, "ns_per_op": ns,
+        "estimated_share_of_step": cost_s * median["on"],  # seconds of metrics / seconds of a step
     }
+
+
+def count_ops(run) -> dict:
+    """Counter.inc and Histogram.observe calls made while `run()` runs (wrapped, then restored)."""
+    counts = {"inc": 0, "observe": 0}
+    originals = {"inc": registry.Counter.inc, "observe": registry.Histogram.observe}
+
+    def counted(name):
+        original = originals[name]
+
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return original(*args, **kwargs)
+        return call
+
+    registry.Counter.inc, registry.Histogram.observe = counted("inc"), counted("observe")
+    try:
+        run()
+    finally:
+        registry.Counter.inc, registry.Histogram.observe = originals["inc"], originals["observe"]
+    return counts
+
+
+def op_ns(repeats: int = 100_000) -> dict:
+    """Nanoseconds of one Counter.inc and of one timed observation (start + stop) when enabled."""
+    m = registry.Metrics()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        m.hits.inc(("hot",), 3)
+    inc_ns = (time.perf_counter() - start) / repeats * 1e9
+    start = time.perf_counter()
+    for _ in range(repeats):
+        m.read_seconds.stop(("warm",), m.read_seconds.start())
+    return {"inc": inc_ns, "start_observe": (time.perf_counter() - start) / repeats * 1e9}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{placement:>8}: metrics on {row['tokens_per_s']['on']:.1f} tok/s, off {row['tokens_per_s']['off']:.1f} "
                   f"tok/s -> on/off {row['ratio_on_off']:.3f} (target >= {TARGET_RATIO}); tokens equal: "
                   f"{row['tokens_equal']}; reads timed: {row['read_observations']}")
+            print(f"{'':>8}  per step: {row['ops_per_step']['inc']:.1f} increments, {row['ops_per_step']['observe']:.1f} "
+                  f"observations ({row['ns_per_op']['inc']:.0f} / {row['ns_per_op']['start_observe']:.0f} ns each) "
+                  f"= {100 * row['estimated_share_of_step']:.3f}% of a step")
     load_after = os.getloadavg()
     result = {
         "args": {k: v for k, v in vars(args).items() if k != "placement_list"},

@@ -33,4 +33,8 @@ def test_metrics_overhead_bench_smallest_size(tmp_path):
     assert rows["offload"]["read_observations"].get("warm", 0) > 0
     assert rows["hot"]["read_observations"] == {}
     assert rows["offload"]["bank_blocks"]["on"]["warm"] > 0
+    # counted ops: the offload case times its lower-tier reads, so it observes more than hot does
+    assert rows["offload"]["ops_per_step"]["observe"] > rows["hot"]["ops_per_step"]["observe"]
+    assert rows["hot"]["ops_per_step"]["inc"] > 0
+    assert 0 < rows["offload"]["estimated_share_of_step"] < 1
     assert set(result["summary"]) == {"target_ratio", "met", "tokens_equal_everywhere"}
