@@ -1,5 +1,9 @@
 """tiered_kv: a three-tier (device / host / NVMe) paged KV cache for transformers generate()."""
 
+import logging
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())  # the application decides what is shown
+
 from .bank import CacheBank
 from .config import Config, load_config
 from .errors import BankClosedError, CapacityError, ConfigError, CorruptBlockError, LayoutError

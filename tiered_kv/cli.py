@@ -3,17 +3,25 @@
 
 Bad input (a config that does not validate, a missing model or script file) is reported as
 one line on stderr with exit status 2, never a traceback.
+
+The library's log messages go to stderr as `tiered-kv: warning: ...`: warnings and errors by
+default, errors only with -q/--quiet, everything down to DEBUG (with the logging module's name)
+with -v/--verbose. Either flag goes before the command or after it. Only the "tiered_kv" logger
+is configured, and only while `main` runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sqlite3
 import sys
 from pathlib import Path
 
 EXIT_USAGE = 2
+LOGGER_NAME = "tiered_kv"
 
 
 def _port(text: str) -> int:
@@ -43,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tiered-kv",
         description="Three-tier (device / host RAM / NVMe) paged KV cache for transformers generate().",
     )
+    _add_verbosity(parser, default=False)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     chat = commands.add_parser(
         "chat",
@@ -72,8 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tiered_kv.hooks mode: exact (bitwise sdpa) or merge (per-tier partials merged by LSE)")
     chat.add_argument("--metrics-port", type=_port, default=None, metavar="N",
                       help="serve Prometheus metrics on http://127.0.0.1:N/metrics during the chat (0: any free port)")
+    _add_verbosity(chat)
     _add_cold_commands(commands)
     return parser
+
+
+def _add_verbosity(parser: argparse.ArgumentParser, default=argparse.SUPPRESS) -> None:
+    """-v/--verbose and -q/--quiet. A command's own flags default to SUPPRESS, so they never undo
+    the same flag given before the command."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-v", "--verbose", action="store_true", default=default,
+                       help="also show tiered_kv's info and debug messages, each with the module that logs it")
+    group.add_argument("-q", "--quiet", action="store_true", default=default,
+                       help="show errors only: no warnings, no progress bar")
 
 
 def _add_cold_commands(commands) -> None:
@@ -101,6 +121,8 @@ def _add_cold_commands(commands) -> None:
                     help="then drop least recently used records until their on-disk record bytes fit (e.g. 1GiB)")
     gc.add_argument("--drop-bad", action="store_true", help="drop the records that fail verification")
     gc.add_argument("--dry-run", action="store_true", help="print what would be dropped; change nothing")
+    _add_verbosity(inspect)
+    _add_verbosity(gc)
 
 
 def read_script(path: str) -> list[str]:
@@ -138,7 +160,8 @@ def _chat(args: argparse.Namespace) -> int:
     except (ConfigError, MetricsPortError, OSError, ValueError) as exc:
         return _fail(exc, EXIT_USAGE)
     try:
-        model, tokenizer = load_model(args.model, progress=not args.no_progress, device=cfg.hot.device)
+        model, tokenizer = load_model(args.model, progress=not (args.no_progress or args.quiet),
+                                      device=cfg.hot.device)
     except (ModelNotFoundError, OSError, ValueError) as exc:
         _close(server)
         return _fail(exc, EXIT_USAGE)
@@ -147,7 +170,7 @@ def _chat(args: argparse.Namespace) -> int:
                  hooks_mode=None if args.no_hooks else args.hooks_mode)
     except ConfigError as exc:  # found when the store starts, e.g. cold.path in use by another process
         return _fail(exc, EXIT_USAGE)
-    except (CapacityError, CorruptBlockError, LayoutError) as exc:
+    except (CapacityError, CorruptBlockError, LayoutError, OSError) as exc:  # OSError: e.g. the cold disk is full
         return _fail(exc, 1)
     finally:
         _close(server)
@@ -203,21 +226,53 @@ def _fail(exc: BaseException, status: int) -> int:
     return status
 
 
+class _StderrFormatter(logging.Formatter):
+    """`tiered-kv: warning: message`, or with the logger's name: `tiered-kv: debug: tiered_kv.x: message`."""
+
+    def __init__(self, show_names: bool):
+        super().__init__()
+        self.show_names = show_names
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        where = f"{record.name}: " if self.show_names else ""
+        return f"tiered-kv: {record.levelname.lower()}: {where}{record.message}"
+
+
+@contextlib.contextmanager
+def logging_to_stderr(verbose: bool = False, quiet: bool = False):
+    """While it runs, the "tiered_kv" loggers write to stderr at the level the flags ask for (the
+    root logger and other libraries' loggers are left as they are); then put back as found."""
+    logger = logging.getLogger(LOGGER_NAME)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_StderrFormatter(show_names=verbose))
+    level = logger.level
+    logger.setLevel(logging.DEBUG if verbose else logging.ERROR if quiet else logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.verbose and args.quiet:  # one before the command, the other after it
+        parser.error("-v/--verbose and -q/--quiet cannot be used together; give one of them")
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
-    try:
-        if args.command == "inspect":
-            return _inspect(args)
-        if args.command == "gc":
-            return _gc(args)
-        return _chat(args)
-    except KeyboardInterrupt:
-        print("tiered-kv: interrupted", file=sys.stderr)
-        return 130
+    with logging_to_stderr(args.verbose, args.quiet):
+        try:
+            if args.command == "inspect":
+                return _inspect(args)
+            if args.command == "gc":
+                return _gc(args)
+            return _chat(args)
+        except KeyboardInterrupt:
+            print("tiered-kv: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

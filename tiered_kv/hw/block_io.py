@@ -145,14 +145,19 @@ class KvikioBlockIO(PosixBlockIO):
 
 def kvikio_usable() -> bool:
     """kvikio imports without a GPU but cannot do any I/O without libcuda: require both."""
+    return kvikio_unusable_reason() is None
+
+
+def kvikio_unusable_reason() -> str | None:
+    """None when kvikio can do I/O here, else why not."""
     try:
         import torch
 
         if not torch.cuda.is_available():
-            return False
+            return "no CUDA device"
         import kvikio  # noqa: F401
         import cupy
 
-        return bool(cupy.cuda.is_available())
-    except Exception:
-        return False
+        return None if cupy.cuda.is_available() else "cupy sees no CUDA device"
+    except Exception as exc:  # ImportError without the [gpu] extra, or a broken install
+        return f"{type(exc).__name__}: {exc}"

@@ -1,27 +1,36 @@
-"""Which compute device and host memory kind to use, decided once at start."""
+"""Which compute device and host memory kind to use, decided once at start. What "auto" fell
+back to is logged once per process at INFO (a CPU-only machine is normal)."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 
 from ..errors import ConfigError
+from ..logs import log_once
 
+log = logging.getLogger(__name__)
 _CUDA_RE = re.compile(r"^cuda(:\d+)?$")
 
 
 def cuda_available() -> bool:
     try:
         return torch.cuda.is_available()
-    except Exception:  # a broken driver must not break the CPU path
+    except Exception as exc:  # a broken driver must not break the CPU path
+        log_once(log, logging.WARNING, "torch.cuda.is_available() failed (%s: %s); running as if there were no "
+                 "CUDA device", type(exc).__name__, exc)
         return False
 
 
 def resolve_device(spec: str) -> torch.device:
     """'auto' -> cuda when present else cpu; 'cuda[:N]' must exist."""
     if spec == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
+        if cuda_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        log_once(log, logging.INFO, "no CUDA device (hot.device: auto): hot tier and compute on cpu")
+        return torch.device("cpu")
     if spec == "cpu":
         return torch.device("cpu")
     if _CUDA_RE.match(spec):
@@ -40,6 +49,9 @@ def resolve_device(spec: str) -> torch.device:
 def resolve_pinned(spec: str, device: torch.device) -> bool:
     """Page-locked host memory only helps (and only works) with a CUDA device."""
     if spec == "auto":
+        if device.type != "cuda":
+            log_once(log, logging.INFO, "warm tier in pageable host memory (warm.pinned: auto page-locks it only "
+                     "for a CUDA hot device; the hot device is %s)", device.type)
         return device.type == "cuda"
     if spec == "true":
         if device.type != "cuda":

@@ -9,11 +9,16 @@ calibrated once at start (a timed host copy). Both offer `record(bytes)` and `sa
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 
 import torch
+
+from ..logs import log_once
+
+log = logging.getLogger(__name__)
 
 CALIBRATION_BYTES = 32 * 2**20
 PCIE_LANE_BYTES_PER_S = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
@@ -117,7 +122,12 @@ def make_link_monitor(device) -> MeasuredLinkMonitor:
 
             pynvml.nvmlInit()
             return NvmlLinkMonitor(device.index or 0)
-        except Exception:  # NVMLError_LibraryNotFound, no driver, no permission
-            pass
-    return MeasuredLinkMonitor(peak_bytes_per_s=calibrate_copy_peak(device if device is not None
-                                                                    else torch.device("cpu")))
+        except Exception as exc:  # NVMLError_LibraryNotFound, no driver, no permission
+            why = f"NVML unavailable ({type(exc).__name__}: {exc})"
+    else:
+        why = f"no NVML for a {getattr(device, 'type', 'cpu')} hot tier"
+    device = device if device is not None else torch.device("cpu")
+    monitor = MeasuredLinkMonitor(peak_bytes_per_s=calibrate_copy_peak(device))
+    log_once(log, logging.INFO, "link saturation: %s; measuring the store's own copies against a peak of "
+             "%.1f GB/s calibrated on %s", why, monitor.peak_bytes_per_s / 1e9, device)
+    return monitor

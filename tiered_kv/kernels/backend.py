@@ -2,7 +2,8 @@
 
 The CUDA path needs torch to see a GPU, cupy to import, and every `.cu` file to compile;
 otherwise the torch reference (same signatures, same contracts) runs and the reason is kept
-in `fallback_reason` and logged at INFO. `TIERED_KV_KERNELS=torch` forces the reference.
+in `fallback_reason` and logged once, at INFO (at WARNING when CUDA and cupy are there but
+the native sources fail to compile). `TIERED_KV_KERNELS=torch` forces the reference.
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ def cuda_unavailable_reason() -> str | None:
 def choose_ops() -> KernelOps:
     reason = cuda_unavailable_reason()
     if reason is not None:
-        log.info("tiered_kv.kernels: torch reference ops (%s)", reason)
+        # a CUDA device whose native sources fail to build is a broken install; the rest is a choice
+        level = logging.WARNING if reason.startswith("native sources") else logging.INFO
+        log.log(level, "kernels: torch reference ops (%s)", reason)
         return torch_ops(reason)
     from . import cuda
 
-    log.info("tiered_kv.kernels: CUDA ops (cupy RawModule, native/*.cu)")
+    log.info("kernels: CUDA ops (cupy RawModule, native/*.cu)")
     return KernelOps("cuda", None, cuda.paged_decode, cuda.merge_states, cuda.gather_blocks, cuda.scatter_blocks)
 
 

@@ -212,8 +212,9 @@ class Metrics:
         self.write_seconds = h("write_seconds", "Duration of one durable cold record write", ("tier",))
         self.checksum_failures = c("checksum_failures_total", "Blocks that failed their checksum (recomputed, "
                                    "never served), by tier", ("tier",))
-        self.dropped_blocks = c("dropped_blocks_total", "Blocks whose data was lost (not evicted as planned), "
-                                "by reason", ("reason",))
+        self.dropped_blocks = c("dropped_blocks_total", "Published blocks lost when the store closed, by reason "
+                                "(close_no_room: cold had no slot; close_write_failed: moving them there failed)",
+                                ("reason",))
         self.write_errors = c("write_errors_total", "Failed durable writes, by errno name", ("tier", "error"))
 
     def _counter(self, name: str, help_text: str, labelnames: tuple[str, ...] = ()) -> Counter:

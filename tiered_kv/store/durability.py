@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import sys
 
+from ..hw.block_io import ColdWriteError
+from ..logs import error_name
 from ..pool import SlotPool
 from ..scheduler import COLD, HOT, WARM
 
-log = logging.getLogger("tiered_kv")
+log = logging.getLogger(__name__)
 
 
 class Durability:
@@ -31,6 +33,9 @@ class Durability:
             entry = self.index.remove(block_id)
             pool.free([entry.slot])
             cold.forget([entry.slot])
+        if duplicates:  # nothing is lost: the first record of each key serves it
+            log.info("cold tier %s: dropped %d duplicate durable record(s) (a second record of one key, left by a "
+                     "crash mid-move)", cold.file_path, len(duplicates))
 
     def _persist_before_close(self) -> None:
         """A store that closes moves its published blocks down to the cold tier as room allows,
@@ -38,11 +43,29 @@ class Durability:
         conversations up from there."""
         if not self.is_bound or self.tiers[COLD] is None or sys.is_finalizing():
             return  # (at finalization no writer thread runs any more: the atexit hook came first)
+        cold = self.tiers[COLD]
         upper = [b for tier in (HOT, WARM) for b in reversed(self.index.blocks_in(tier))
                  if self.index.get(b).key is not None]
         try:
             if upper:
                 self.demote(upper, COLD)
-            self.tiers[COLD].flush()
         except Exception as error:  # closing goes on: what is durable stays durable
-            log.warning("tiered_kv: could not persist every published block before closing: %s", error)
+            left = sum(1 for b in upper if b in self.index and self.index.get(b).tier in (HOT, WARM))
+            self.metrics.dropped_blocks.inc(("close_write_failed",), left)
+            log.warning("closing: moving published blocks to the cold tier %s failed (%s: %s); the ones not moved "
+                        "are lost when this store closes, a later process recomputes them", cold.file_path,
+                        error_name(error), getattr(error, "strerror", None) or error)
+        else:
+            left = sum(1 for b in upper if b in self.index and self.index.get(b).tier in (HOT, WARM))
+            if left:
+                self.metrics.dropped_blocks.inc(("close_no_room",), left)
+                log.warning("closing: %d of %d published block(s) did not fit in the cold tier %s (no slot left "
+                            "that could be freed); they are lost when this store closes, a later process recomputes "
+                            "them", left, len(upper), cold.file_path)
+        try:
+            cold.flush()
+        except ColdWriteError as error:  # the writer thread warned about each failure when it happened
+            log.debug("closing: some records did not become durable: %s", error)
+        except Exception as error:
+            log.warning("closing: waiting for the cold tier %s to make records durable failed (%s: %s)",
+                        cold.file_path, error_name(error), error)

@@ -27,11 +27,12 @@ import torch
 from ..block_index import BlockIndex
 from ..errors import CorruptBlockError
 from ..hw.block_copy import BlockCopier
+from ..logs import Throttle
 from ..metrics.registry import BACKGROUND, ON_DEMAND, Metrics
 from ..pool import SlotPool
 from ..scheduler import COLD, DROPPED, HOT, TIER_NAMES, WARM, Move, Plan
 
-log = logging.getLogger("tiered_kv")
+log = logging.getLogger(__name__)
 
 
 class PlanExecutor:
@@ -54,6 +55,7 @@ class PlanExecutor:
         # what moved is counted in `metrics` (the store's); seconds callers spent moving are also
         # kept per thread, for a bank's own figures
         self._thread_move_s = threading.local()
+        self._drop_warnings = Throttle(log)  # a full cache drops blocks every step: warn now and then
 
     # ---- what moved, read back from the store's metrics ----------------------------------------
     @property
@@ -134,11 +136,13 @@ class PlanExecutor:
         """Carry out a plan's moves in order. Returns the ids of blocks that failed a checksum
         while being moved; those are marked corrupt, keep no data, and must be recomputed."""
         hot_slots = self._reserve_hot_run(plan.moves, batch_cold_moves)
+        evicted = self.num_moves["evictions"]
         try:
             return self._apply_moves(plan, batch_cold_moves, hot_slots)
         finally:
             if hot_slots:  # reserved for moves not made
                 self.pools[HOT].free(list(hot_slots.values()))
+            self.report_evictions(self.num_moves["evictions"] - evicted)
 
     def _apply_moves(self, plan: Plan, batch_cold_moves: bool, hot_slots: dict[int, int]) -> list[int]:
         corrupt: list[int] = []
@@ -194,6 +198,9 @@ class PlanExecutor:
             self.mark_corrupt(move.block_id)  # frees its source slot, as the plan expects
             corrupt.append(move.block_id)
             return
+        except BaseException:  # e.g. a cold write failed (ColdWriteError): the block stays, the slot goes back
+            self.free_slot(move.dst_tier, dst_slot)
+            raise
         self._commit_move(move.block_id, move.src_tier, entry.slot, move.dst_tier, dst_slot)
 
     def _commit_move(self, block_id: int, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
@@ -205,9 +212,18 @@ class PlanExecutor:
         self.persist_if_published(block_id)
 
     def evict(self, block_id: int) -> None:
-        """Drop an unreferenced cached block (its data is discarded)."""
+        """Drop an unreferenced cached block (its data is discarded; see report_evictions)."""
         self.free_block(block_id)
         self.metrics.evictions.inc()
+
+    def report_evictions(self, count: int, background: bool = False) -> None:
+        """One warning for the `count` cached blocks a plan just dropped (throttled: a full cache
+        drops some at every step)."""
+        if count:
+            self._drop_warnings.warning(
+                "cache full: %s dropped %d cached block(s) (published, used by no chat), least valuable "
+                "first; a chat that needs them again recomputes them (%d dropped so far)",
+                "the background mover" if background else "a plan", count, self.num_moves["evictions"])
 
     def commit_background_move(self, block_id: int, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
         """A background copy landed in `dst_slot`: the block lives there from now on (a move
@@ -379,7 +395,8 @@ class PlanExecutor:
             try:
                 self.tiers[COLD].persist(entry.slot, entry.key, entry.root)
             except ValueError as error:  # not whole yet: it stays a cold block, just not durable
-                log.warning("tiered_kv: block %d not made durable: %s", block_id, error)
+                log.warning("block %d not made durable (it stays in the cold tier for this process): %s",
+                            block_id, error)
 
     def free_block(self, block_id: int) -> None:
         entry = self.index.remove(block_id)
@@ -398,8 +415,9 @@ class PlanExecutor:
         entry = self.index.get(block_id)
         if entry.is_corrupt:
             return
-        log.warning("tiered_kv: block %d in %s slot %d failed its checksum; it will be recomputed",
-                    block_id, TIER_NAMES[entry.tier], entry.slot)
+        where = f" of {self.tiers[COLD].file_path}" if entry.tier == COLD and self.tiers[COLD] is not None else ""
+        log.warning("block %d (%s slot %d%s) failed its checksum: it is never served; it is dropped and its "
+                    "tokens must be recomputed", block_id, TIER_NAMES[entry.tier], entry.slot, where)
         self.metrics.checksum_failures.inc((TIER_NAMES[entry.tier],))
         if self.is_pinned(block_id):
             self.quarantined.append((block_id, entry.tier, entry.slot))

@@ -30,9 +30,10 @@ from ..errors import CorruptBlockError
 from ..hw.block_copy import BlockCopier, device_staging
 from ..hw.block_io import ColdWriteError
 from ..hw.copy_engine import make_copy_engine
-from ..scheduler import COLD, DROPPED, HOT, Plan
+from ..logs import Throttle, error_name
+from ..scheduler import COLD, DROPPED, HOT, TIER_NAMES, Plan
 
-log = logging.getLogger("tiered_kv")
+log = logging.getLogger(__name__)
 
 BATCH_BYTES = 16 * 2**20  # data moved per batch (bounds how long a commit waits for copies)
 WAIT_FOR_LANDING_S = 30.0
@@ -74,6 +75,7 @@ class Mover:
         self.num_batches = 0
         self.num_cancelled = 0
         self.bytes_moved = 0
+        self._write_warnings = Throttle(log)  # a full disk fails every batch: warn now and then
         self._thread = threading.Thread(target=self._run, name="tiered_kv-mover", daemon=True)
         self._thread.start()
 
@@ -151,7 +153,8 @@ class Mover:
                 store = self.store
                 if store is None or store.is_closed:
                     return  # closed under a copy: nothing to report
-                log.warning("tiered_kv: background mover: %s", error, exc_info=True)
+                log.warning("background mover: %s (it tries again in %.3g s)", error, self.interval_s,
+                            exc_info=True)
                 time.sleep(self.interval_s)
 
     def _one_batch(self) -> bool:
@@ -167,6 +170,7 @@ class Mover:
             if plan is None or not plan.moves:
                 return False
             flights, dropped = self._reserve(plan)
+            store._executor.report_evictions(dropped, background=True)
             if not flights:
                 return dropped > 0
         try:
@@ -287,7 +291,10 @@ class Mover:
         try:
             tiers[COLD].write_blocks([f.dst_slot for f in chunk], staging)
         except ColdWriteError as error:
-            log.warning("tiered_kv: background move to cold failed (blocks stay where they are): %s", error)
+            self._write_warnings.warning(
+                "background move of %d block(s) from %s to the cold tier %s failed (%s: %s): they stay in %s",
+                len(chunk), TIER_NAMES[src_tier], tiers[COLD].file_path, error_name(error), error.strerror or error,
+                TIER_NAMES[src_tier])
             for f in chunk:
                 f.failed = True
 

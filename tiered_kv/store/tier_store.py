@@ -53,7 +53,7 @@ from .reporting import Reporting
 from .step_access import StepAccess
 from .token_map import TierRun, TokenMapper
 
-log = logging.getLogger("tiered_kv")
+log = logging.getLogger(__name__)
 
 STAGING_BYTES = 32 * 2**20  # host staging for cold-tier batches
 # device staging for batched hot<->warm moves (hw/block_copy.py), on a CUDA store only; capped at
@@ -73,7 +73,7 @@ def _close_open_stores() -> None:
         try:
             store.close()
         except Exception as error:  # exiting anyway: say so, keep closing the others
-            log.warning("tiered_kv: closing a store at exit failed: %s", error)
+            log.warning("closing a store at exit failed: %s", error)
 
 
 class TierStore(StepAccess, Durability, Reporting, HotLayout):
@@ -117,7 +117,7 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
                 # one writer per cold directory: a second store (another chat process on the same
                 # config) runs on hot and warm alone rather than failing or sharing unsafely
                 self.cold_unavailable = str(error)
-                log.warning("tiered_kv: %s; this store runs without a cold tier", error)
+                log.warning("%s; this store runs without a cold tier (hot and warm only)", error)
 
     def __deepcopy__(self, memo):
         return self  # a store is a shared resource: copies of banks share it
@@ -423,7 +423,7 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
             try:
                 self.drain_deferred()
             except Exception as error:
-                log.warning("tiered_kv: releasing collected banks' blocks at close failed: %s", error)
+                log.warning("releasing collected banks' blocks at close failed: %s", error)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -21,6 +21,7 @@ it on read. Writes that fail raise ColdWriteError (block_io.py) and leave the sl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -31,7 +32,8 @@ import xxhash
 
 from ..blocks import KVLayout
 from ..errors import ConfigError, CorruptBlockError
-from ..hw.block_io import ColdWriteError, KvikioBlockIO, PosixBlockIO, kvikio_usable
+from ..hw.block_io import ColdWriteError, KvikioBlockIO, PosixBlockIO, kvikio_unusable_reason
+from ..logs import Throttle, log_once
 from . import cold_format as fmt
 from .cold_files import ColdDirectory
 from .cold_format import ALIGN_BYTES, checksum, layout_signature  # noqa: F401  (re-exported for tests and tools)
@@ -59,12 +61,16 @@ class ColdTier(DurableRecords):
         self._header_offset = fmt.header_offset_bytes(layout)
         self._np_dtype = _NP_DTYPES[layout.dtype_name]
         self._torch_dtype = getattr(torch, layout.dtype_name)
-        can_use_kvikio = kvikio_usable() if backend in ("auto", "kvikio") else False
+        no_kvikio = kvikio_unusable_reason() if backend in ("auto", "kvikio") else "cold.backend: posix"
+        can_use_kvikio = no_kvikio is None
         if backend == "kvikio" and not can_use_kvikio:
             raise ConfigError(
                 "config key 'cold.backend': got 'kvikio' but kvikio needs a CUDA device and the [gpu] extra "
-                "(cupy-cuda12x, kvikio-cu12); allowed here: 'auto', 'posix'"
+                f"(cupy-cuda12x, kvikio-cu12) ({no_kvikio}); allowed here: 'auto', 'posix'"
             )
+        if backend == "auto" and not can_use_kvikio:
+            log_once(log, logging.INFO, "cold tier I/O: POSIX preadv/pwritev (cold.backend: auto; kvikio "
+                     "unusable: %s)", no_kvikio)
         self._dirty = False
         self._fd = None
         self._file = directory.open_preallocated(fmt.block_file_name(layout), num_slots * self.record_stride_bytes)
@@ -79,6 +85,7 @@ class ColdTier(DurableRecords):
         self._durable = np.zeros(num_slots, dtype=bool)
         self._generation = np.zeros(num_slots, dtype=np.int64)
         self._state_lock = threading.Lock()
+        self._write_warnings = Throttle(log)  # failed header writes / syncs / commits (a full disk repeats)
         self._layer_buffer = np.empty((2, layout.num_kv_heads, layout.block_size, layout.head_dim), self._np_dtype)
         self._zero_tail = np.zeros(self.record_stride_bytes - layout.block_bytes, dtype=np.uint8)
         self._zero_header = self._zero_tail[-fmt.header_bytes(layout):]
@@ -147,11 +154,23 @@ class ColdTier(DurableRecords):
         for i, slot in enumerate(slots):
             record = host[i]
             self.valid[slot] = False
-            self.io.write_gather([record, self._zero_tail], self._offset(slot))
+            with self._naming_the_file():
+                self.io.write_gather([record, self._zero_tail], self._offset(slot))
             for layer in range(self.layout.num_layers):
                 self.checksums[slot, layer] = checksum(record[layer])
             self.valid[slot] = True
         self._dirty = True
+
+    @contextlib.contextmanager
+    def _naming_the_file(self):
+        """A failed write's ColdWriteError names this tier's file (it goes up to the caller, which
+        reports it: a background move warns, a step raises it)."""
+        try:
+            yield
+        except ColdWriteError as exc:
+            if exc.filename is None:
+                exc.filename = self.file_path
+            raise
 
     def forget(self, slots: list[int]) -> None:
         """Slots were freed: their bytes are no longer a block, and no durable row names them."""
@@ -247,7 +266,8 @@ class ColdTier(DurableRecords):
             positions, offsets = _positions_and_offsets(items)
             self._layer_buffer[:, :, offsets] = host[:, :, positions]
             self.valid[slot, layer] = False
-            self.io.write_from(self._layer_buffer, self._offset(slot, layer))
+            with self._naming_the_file():
+                self.io.write_from(self._layer_buffer, self._offset(slot, layer))
             self.checksums[slot, layer] = checksum(self._layer_buffer)
             self.valid[slot, layer] = True
         self._dirty = True
@@ -329,8 +349,8 @@ class ColdTier(DurableRecords):
             return
         try:
             errors = self._writer.stop()
-            for error in errors:
-                log.warning("cold tier %s: closing with a failed persist: %s", self.file_path, error)
+            for error in errors:  # each was warned about when it happened
+                log.debug("cold tier %s: closing with a failed persist: %s", self.file_path, error)
         finally:
             self.index.close()
             if hasattr(self, "io") and hasattr(self.io, "close"):

@@ -15,7 +15,6 @@ reaches the disk, and a withdrawn slot gets its row deleted in queue order.
 
 from __future__ import annotations
 
-import errno
 import logging
 import sqlite3
 import sys
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..hw.block_io import ColdWriteError
+from ..logs import error_name
 from . import cold_format as fmt
 from .cold_format import FormatError
 from .cold_index import verified_rows
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 class DurableRecords:
     """ColdTier's durability methods. Uses the tier's `layout`, `num_slots`, `io`, `index`,
     `file_path`, `valid`, `checksums`, `_durable`, `_generation`, `_state_lock`, `_writer`,
-    `_index_usable`, `_header_at(slot)` and `_zero_header`."""
+    `_index_usable`, `_header_at(slot)`, `_zero_header` and `_write_warnings` (a logs.Throttle)."""
 
     metrics = None  # the store's Metrics, set when it binds: write times and failures are counted there
 
@@ -98,11 +98,18 @@ class DurableRecords:
             self._generation[slots] += 1
         self._writer.enqueue([_Op("delete", slot) for slot in slots])
         if zero_header:  # best effort: the queued deletion is what counts, the read checks catch the rest
+            failed, first = [], None
             for slot in slots:
                 try:
                     self.io.write_from(self._zero_header, self._header_at(slot))
                 except ColdWriteError as exc:
-                    log.warning("cold tier %s: cannot zero the header of slot %d: %s", self.file_path, slot, exc)
+                    failed.append(slot)
+                    first = first or exc
+            if failed:
+                self._write_warnings.warning(
+                    "cold tier %s: cannot zero the record header of slot(s) %s (%s: %s); their index rows are "
+                    "deleted anyway, so no later process reuses them", self.file_path, _some(failed),
+                    error_name(first), first.strerror or first)
 
     def _write_header_if_current(self, op: _Op) -> bool:
         """Writer thread: write `op`'s header unless the slot changed since it was queued."""
@@ -116,12 +123,23 @@ class DurableRecords:
     def _sync_data(self) -> None:
         self.io.sync()
 
-    def _persist_failed(self, slots: list[int], error: BaseException) -> None:
-        log.warning("cold tier %s: slots %s did not become durable (%s)", self.file_path, slots, error)
+    def _persist_failed(self, slots: list[int], error: BaseException, what: str) -> None:
+        """One warning (throttled) for a batch of the writer thread that failed at `what`."""
+        if slots:
+            consequence = (f"{len(slots)} record(s) (slots {_some(slots)}) did not become durable: they stay "
+                           "usable in this process, a later one recomputes them")
+        else:
+            consequence = "index rows of freed slots may remain; a later process checks them against their headers"
         if self.metrics is not None:
-            code = getattr(error, "errno", None)
-            name = errno.errorcode.get(code, type(error).__name__) if code is not None else type(error).__name__
-            self.metrics.write_errors.inc(("cold", name), len(slots))
+            self.metrics.write_errors.inc(("cold", error_name(error)), max(1, len(slots)))
+        self._write_warnings.warning("cold tier %s: %s failed (%s: %s); %s", self.file_path, what,
+                                     error_name(error), getattr(error, "strerror", None) or error, consequence)
+
+
+def _some(slots: list[int], shown: int = 8) -> str:
+    """`[1, 2, 3]`, or the first `shown` slots and how many more."""
+    slots = sorted(slots)
+    return str(slots) if len(slots) <= shown else f"{slots[:shown]} and {len(slots) - shown} more"
 
 
 @dataclass
@@ -139,7 +157,8 @@ class DurableWriter:
     """Batches persist / forget / touch operations of one cold tier on a thread of its own.
 
     `tier` provides `_write_header_if_current(op) -> bool` (writes the header unless the slot changed
-    since the persist was queued), `_sync_data()`, `_persist_failed(slots, error)`, `fsync` and `index`."""
+    since the persist was queued), `_sync_data()`, `_persist_failed(slots, error, what)` (which warns),
+    `_write_warnings`, `fsync` and `index`."""
 
     def __init__(self, tier):
         self._tier = tier
@@ -198,8 +217,9 @@ class DurableWriter:
                 if metrics is not None:
                     metrics.write_seconds.stop(("cold",), start)
             except BaseException as exc:  # never lose the thread: report at the next flush
-                log.warning("cold tier %s: a batch of %d index operations failed: %s",
-                            self._tier.file_path, len(batch), exc)
+                self._tier._write_warnings.warning(
+                    "cold tier %s: a batch of %d index operations failed (%s: %s); the records it would have "
+                    "made durable are not", self._tier.file_path, len(batch), error_name(exc), exc)
                 self._note(exc)
             with self._condition:
                 self._done += len(batch)
@@ -224,24 +244,27 @@ class DurableWriter:
             tier.index.open()
         if not tier.index.is_open:
             return  # nothing was ever persisted: no row to delete or touch
-        written = []
+        written, failed, first = [], [], None
         for op in puts:
             try:
                 if tier._write_header_if_current(op):
                     written.append(op)
             except OSError as exc:
-                tier._persist_failed([op.slot], exc)
+                failed.append(op.slot)
+                first = first or exc
                 self._note(exc)
+        if failed:  # one warning for the batch
+            tier._persist_failed(failed, first, "writing record headers")
         if written and tier.fsync:
             try:
                 tier._sync_data()
             except OSError as exc:
-                tier._persist_failed([op.slot for op in written], exc)
+                tier._persist_failed([op.slot for op in written], exc, "fdatasync of the block file")
                 self._note(exc)
                 written = []
         rows = [(op.slot, op.key, op.root, op.checksums, op.at) for op in written]
         try:
             tier.index.apply(rows, deletes, [(s, t) for s, t in touches.items() if s not in final])
         except (sqlite3.Error, OSError) as exc:
-            tier._persist_failed([op.slot for op in written], exc)
-            raise
+            tier._persist_failed([op.slot for op in written], exc, f"committing to the index {tier.index.path}")
+            self._note(exc)  # reported here, once; the next flush raises it

@@ -127,8 +127,8 @@ class ColdIndex:
 def verified_rows(index: ColdIndex, read_header, num_slots: int, what: str) -> list[IndexRow]:
     """The index rows (least recently used first) whose slot exists and whose record header
     (`read_header(slot)`, raising FormatError or OSError) names the same key, root and checksums.
-    Rows that fail are deleted from the index, each with a warning naming the slot and why."""
-    kept, dropped = [], []
+    Rows that fail are deleted from the index: one warning says how many and why (each row at DEBUG)."""
+    kept, dropped, problems = [], [], []
     for row in index.rows():
         problem = None
         if not 0 <= row.slot < num_slots:
@@ -141,10 +141,15 @@ def verified_rows(index: ColdIndex, read_header, num_slots: int, what: str) -> l
             except (FormatError, OSError) as exc:
                 problem = f"bad header: {exc}"
         if problem:
-            log.warning("cold tier %s: dropping the index row of slot %d (%s)", what, row.slot, problem)
+            log.debug("cold tier %s: dropping the index row of slot %d (%s)", what, row.slot, problem)
             dropped.append(row.slot)
+            problems.append(f"slot {row.slot}: {problem}")
         else:
             kept.append(row)
     if dropped:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        log.warning("cold tier %s: dropped %d of %d durable record(s) that no longer match their index rows "
+                    "(%s); those blocks are gone and will be recomputed", what, len(dropped),
+                    len(dropped) + len(kept), shown)
         index.apply([], dropped, [])
     return kept

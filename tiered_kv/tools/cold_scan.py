@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from ..blocks import KVLayout
 from ..tiers import cold_format as fmt
 from ..tiers.cold_files import LOCK_NAME
 
+log = logging.getLogger(__name__)
 _OURS = re.compile(r"kv-v1-([0-9a-f]{16})\.(blocks|index(?:-wal|-shm)?)")
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -113,6 +115,7 @@ def scan(path: str, verify: bool = False, locked: bool = False) -> ColdScan:
     dir_fd = open_directory(path)
     try:
         running = False if locked else store_running(dir_fd)
+        log.debug("scanning %s (a store runs on it: %s)", path, "yes" if running else "no")
         disk = os.fstatvfs(dir_fd)
         files: dict[str, LayoutFile] = {}
         ignored = []
@@ -184,6 +187,7 @@ def _read_index(dir_fd, path, name, running, names):
         uri, copy_dir = f"file:{full}?mode=ro&immutable=1", None
     else:  # a crashed store's WAL: recover it in a private copy
         copy_dir = tempfile.mkdtemp(prefix="tiered-kv-inspect-")
+        log.debug("%s has a WAL a crashed store left: reading a private copy in %s", name, copy_dir)
         for suffix in ("", "-wal"):
             with open(os.open(name + suffix, _OPEN, dir_fd=dir_fd), "rb") as src, \
                     open(os.path.join(copy_dir, "index" + suffix), "wb") as dst:
@@ -200,6 +204,8 @@ def _read_index(dir_fd, path, name, running, names):
     finally:
         if copy_dir:
             shutil.rmtree(copy_dir, ignore_errors=True)
+    log.debug("index %s (%s): %d row(s)", name, "read-only beside a running store" if running else
+              "immutable" if copy_dir is None else "private copy", len(rows))
     return meta, rows
 
 
