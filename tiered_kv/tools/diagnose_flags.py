@@ -13,8 +13,8 @@ diagnose_report.Report. Each rule below fires on a measured figure, says it, and
                      free to compact into, else lower scheduler.max_fragmentation (fragmented)
                      or scheduler.mover_interval_s (scattered). Not raised for a scattered,
                      spilled prompt in a full hot pool: prompt_spilled names the fix
-  tier_never_used    warm or cold has capacity but the run put nothing there -> lower its capacity
-                     (0 disables it) unless longer conversations need it
+  tier_never_used    warm or cold has capacity but holds no block and the run put nothing there
+                     -> lower its capacity (0 disables it) unless longer conversations need it
   block_size_waste   the prompt's partly filled last block leaves more than `block_waste_max` of
                      its token slots empty -> lower block_size (to the largest power of two under)
   link_saturated     link saturation peaked above scheduler.bs_threshold (background moves wait)
@@ -89,7 +89,8 @@ def _prompt_spilled(report: Report, _: Thresholds) -> list[Flag]:
     kv, hot = report.kv, report.kv.tiers["hot"]
     if kv.blocks == 0 or hot.prompt_blocks >= kv.blocks:
         return []
-    below = ", ".join(f"{kv.tiers[name].prompt_blocks} {name}" for name in ("warm", "cold") if kv.tiers[name].prompt_blocks)
+    below = ", ".join(f"{kv.tiers[name].prompt_blocks} {name}" for name in ("warm", "cold")
+                      if kv.tiers[name].prompt_blocks)
     need = _hot_need_blocks(report)
     key = report.settings["hot.capacity_key"]
     amount = f"{need} blocks" if key.endswith("_blocks") else _size(need * kv.block_bytes)
@@ -155,8 +156,8 @@ def _tier_never_used(report: Report, _: Thresholds) -> list[Flag]:
     flags = []
     for name in ("warm", "cold"):
         tier = report.kv.tiers[name]
-        if tier.capacity_blocks == 0 or tier.touched:
-            continue
+        if tier.capacity_blocks == 0 or tier.touched or tier.used_blocks:
+            continue  # off, used by this run, or holding blocks of earlier runs (cold: reused after restarts)
         key = report.settings[f"{name}.capacity_key"]
         flags.append(Flag(
             "tier_never_used",
