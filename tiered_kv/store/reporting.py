@@ -61,6 +61,19 @@ class Reporting:
             out["metrics"] = self.metrics.snapshot()  # every counter and histogram (tiered_kv/metrics/)
             return out
 
+    def scratch_buffers(self) -> dict:
+        """The store's preallocated copy buffers beside the tier slabs (None: not allocated):
+        staging_host (moves into and out of cold), staging_device (hot<->warm batches, CUDA),
+        mover_staging_host and mover_staging_device (the background mover's own)."""
+        with self.lock:
+            executor, mover = self._executor, self._mover
+            return {
+                "staging_host": executor.staging if executor is not None else None,
+                "staging_device": executor.block_copier.staging if executor is not None else None,
+                "mover_staging_host": mover.staging if mover is not None else None,
+                "mover_staging_device": mover.block_copier.staging if mover is not None else None,
+            }
+
     def _scheduler_stats(self) -> dict:
         """Hit rates per tier, moves by direction, background vs on-demand bytes, critical-path
         seconds, and the scheduler's current view (ALI of the live chats, BS, CS)."""
