@@ -1,5 +1,6 @@
 """The `tiered-kv` command line. `tiered-kv chat` runs the scripted multi-turn chat (the main job);
-`tiered-kv inspect` and `tiered-kv gc` look into and clean a cold directory (tiered_kv/tools/).
+`tiered-kv inspect` and `tiered-kv gc` look into and clean a cold directory (tiered_kv/tools/);
+`tiered-kv plot` draws a trace that `chat --trace` wrote (tiered_kv/trace/).
 
 Bad input (a config that does not validate, a missing model or script file) is reported as
 one line on stderr with exit status 2, never a traceback.
@@ -60,7 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run the bank as a plain Cache (no tiered_kv.hooks paged attention), to compare")
     chat.add_argument("--hooks-mode", choices=("exact", "merge"), default="exact",
                       help="tiered_kv.hooks mode: exact (bitwise sdpa) or merge (per-tier partials merged by LSE)")
+    chat.add_argument("--trace", default=None, metavar="FILE",
+                      help="record tier occupancy, moves and timings of every forward pass and turn as JSON lines "
+                           "(created 0600); draw them with `tiered-kv plot FILE`")
     _add_cold_commands(commands)
+    plot = commands.add_parser(
+        "plot", help="draw a chat trace (chat --trace) as PNGs: tier occupancy, hit rate, bytes moved, TTFT",
+        description="Read a trace written by `tiered-kv chat --trace` and write occupancy.png (blocks used per "
+                    "tier over time), hit_rate.png (where each turn found its history), bytes_moved.png (per "
+                    "direction, over time and per turn) and ttft.png (time to first token per turn). Needs "
+                    "matplotlib: pip install 'tiered_kv[plot]'.")
+    plot.add_argument("trace", metavar="TRACE", help="the JSONL trace file")
+    plot.add_argument("-o", "--out-dir", default=None, metavar="DIR",
+                      help="folder for the PNGs, created if missing (default: the trace file's folder)")
     return parser
 
 
@@ -111,8 +124,11 @@ def pick_messages(script: list[str], num_turns: int) -> list[str]:
 def _chat(args: argparse.Namespace) -> int:
     from . import CapacityError, ConfigError, CorruptBlockError, LayoutError, load_config
     from .chat import DEFAULT_NUM_TURNS, DEFAULT_USER_MESSAGES, run_chat
+    from .errors import TraceError
     from .models import ModelNotFoundError, load_model
+    from .trace import TraceRecorder
 
+    recorder = None
     try:
         cfg = load_config(args.config)
         if args.script is not None:
@@ -121,16 +137,55 @@ def _chat(args: argparse.Namespace) -> int:
         else:
             script = list(DEFAULT_USER_MESSAGES)
             num_turns = args.turns or DEFAULT_NUM_TURNS
+        if args.trace is not None:  # before the model loads: an unwritable path fails fast
+            recorder = TraceRecorder(args.trace)
         model, tokenizer = load_model(args.model, progress=not args.no_progress, device=cfg.hot.device)
     except (ConfigError, ModelNotFoundError, OSError, ValueError) as exc:
+        _close_quietly(recorder)
         return _fail(exc, EXIT_USAGE)
     try:
         run_chat(model, tokenizer, cfg, pick_messages(script, num_turns), args.max_new_tokens,
-                 hooks_mode=None if args.no_hooks else args.hooks_mode)
+                 hooks_mode=None if args.no_hooks else args.hooks_mode, trace=recorder)
+        if recorder is not None:
+            recorder.close()
+            print(f"trace: {recorder.path} ({recorder.num_steps} steps, {recorder.num_turns} turns); "
+                  f"draw it with: tiered-kv plot {recorder.path}")
     except ConfigError as exc:  # found when the store starts, e.g. cold.path in use by another process
         return _fail(exc, EXIT_USAGE)
-    except (CapacityError, CorruptBlockError, LayoutError) as exc:
+    except (CapacityError, CorruptBlockError, LayoutError, TraceError) as exc:
         return _fail(exc, 1)
+    finally:
+        _close_quietly(recorder)
+    return 0
+
+
+def _close_quietly(recorder) -> None:
+    """Close a trace on the way out of a failed command (its own error, if any, is logged)."""
+    from .errors import TraceError
+
+    if recorder is not None and not recorder.is_closed:
+        try:
+            recorder.close()
+        except TraceError as exc:
+            print(f"tiered-kv: warning: {exc}", file=sys.stderr)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .errors import TraceError
+    from .trace import read_trace
+    from .trace.plot import PlotUnavailable, plot_trace
+
+    try:
+        trace = read_trace(args.trace)
+        out_dir = args.out_dir if args.out_dir is not None else Path(args.trace).parent
+        paths = plot_trace(trace, out_dir)
+    except (TraceError, PlotUnavailable) as exc:
+        return _fail(exc, EXIT_USAGE)
+    if not trace.is_complete:
+        print(f"tiered-kv: note: {args.trace} has no end line (the chat stopped early); drew what it holds",
+              file=sys.stderr)
+    for path in paths:
+        print(path)
     return 0
 
 
@@ -179,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             return _inspect(args)
         if args.command == "gc":
             return _gc(args)
+        if args.command == "plot":
+            return _plot(args)
         return _chat(args)
     except KeyboardInterrupt:
         print("tiered-kv: interrupted", file=sys.stderr)
