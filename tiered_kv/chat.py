@@ -9,6 +9,7 @@ reuse all of its KV; only the new user message is computed.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
@@ -21,6 +22,7 @@ from .bank import CacheBank
 from .config import Config
 from .scheduler import TIER_NAMES
 from .store import TierStore
+from .trace import TraceRecorder
 
 # Questions that ask for long answers, so that 8 turns of up to 240 new tokens pass 2,000 tokens.
 DEFAULT_USER_MESSAGES = (
@@ -139,6 +141,7 @@ def run_chat(
     *,
     store: TierStore | None = None,
     hooks_mode: str | None = "exact",
+    trace: str | os.PathLike | TraceRecorder | None = None,
 ) -> list[dict]:
     """Chat through a CacheBank, one user message per turn, greedy decoding; return per-turn records.
 
@@ -148,6 +151,8 @@ def run_chat(
     decode_tokens_per_s (tokens after the first / time after the first), turn_s, stats (bank.stats()).
     `hooks_mode` "exact" / "merge" puts the bank under the model's attention (tiered_kv.hooks) for
     the chat and takes it out after; None runs the bank as a plain transformers Cache.
+    `trace` (a file path, or a TraceRecorder the caller closes) records every forward pass and
+    turn as JSON lines (tiered_kv/trace/recorder.py); `tiered-kv plot` draws them.
     """
     user_messages = list(user_messages)
     if not user_messages:
@@ -165,11 +170,15 @@ def run_chat(
     max_positions = getattr(model.config, "max_position_embeddings", None)
 
     bank = CacheBank(model, cfg, store=store)
+    recorder = trace if isinstance(trace, TraceRecorder) else None
     if hooks_mode is not None:
         hooks.install(model, bank, mode=hooks_mode)
     records: list[dict] = []
     conversation: list[int] = []
     try:
+        if trace is not None:
+            recorder = recorder or TraceRecorder(trace)
+            recorder.start(bank, model_name=_model_name(model))
         for turn, message in enumerate(user_messages, start=1):
             if turn == 1:
                 prompt = first_turn_ids(tokenizer, message)
@@ -181,10 +190,14 @@ def run_chat(
                       f"the model's {max_positions} positions]")
                 break
             write(f"\n--- turn {turn}/{len(user_messages)} ---\nuser: {message}")
+            if recorder is not None:
+                recorder.begin_turn(turn)
             record = _run_turn(model, tokenizer, bank, prompt, max_new_tokens, device)
             record.update(turn=turn, user=message)
             conversation = record.pop("output_ids")
             records.append(record)
+            if recorder is not None:
+                recorder.end_turn(record)
             write(f"assistant: {record['reply']}")
             write(_turn_line(record))
         if records:
@@ -192,8 +205,16 @@ def run_chat(
     finally:
         if hooks_mode is not None:
             hooks.uninstall(model)
-        bank.close()
+        try:
+            if recorder is not None and recorder is not trace:  # ours: its end line reads the live store
+                recorder.close()
+        finally:
+            bank.close()
     return records
+
+
+def _model_name(model) -> str | None:
+    return getattr(model.config, "name_or_path", None) or getattr(model, "name_or_path", None) or None
 
 
 def _run_turn(model, tokenizer, bank: CacheBank, prompt: list[int], max_new_tokens: int, device) -> dict:

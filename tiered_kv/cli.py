@@ -1,6 +1,7 @@
 """The `tiered-kv` command line. `tiered-kv chat` runs the scripted multi-turn chat (the main job);
 `tiered-kv inspect` and `tiered-kv gc` look into and clean a cold directory; `tiered-kv diagnose`
-measures where memory goes for one prompt (tiered_kv/tools/).
+measures where memory goes for one prompt (tiered_kv/tools/); `tiered-kv plot` draws a trace that
+`chat --trace` wrote (tiered_kv/trace/).
 
 Bad input (a config that does not validate, a missing model or script file, a prompt too long
 for the model or the tiers) is reported as one line on stderr with exit status 2, never a
@@ -93,9 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tiered_kv.hooks mode: exact (bitwise sdpa) or merge (per-tier partials merged by LSE)")
     chat.add_argument("--metrics-port", type=_port, default=None, metavar="N",
                       help="serve Prometheus metrics on http://127.0.0.1:N/metrics during the chat (0: any free port)")
+    chat.add_argument("--trace", default=None, metavar="FILE",
+                      help="record tier occupancy, moves and timings of every forward pass and turn as JSON lines "
+                           "(created 0600); draw them with `tiered-kv plot FILE`")
     _add_verbosity(chat)
     _add_cold_commands(commands)
     _add_diagnose_command(commands)
+    plot = commands.add_parser(
+        "plot", help="draw a chat trace (chat --trace) as PNGs: tier occupancy, hit rate, bytes moved, TTFT",
+        description="Read a trace written by `tiered-kv chat --trace` and write occupancy.png (blocks used per "
+                    "tier over time), hit_rate.png (where each turn found its history), bytes_moved.png (per "
+                    "direction, over time and per turn) and ttft.png (time to first token per turn). Needs "
+                    "matplotlib: pip install 'tiered_kv[plot]'.")
+    plot.add_argument("trace", metavar="TRACE", help="the JSONL trace file")
+    plot.add_argument("-o", "--out-dir", default=None, metavar="DIR",
+                      help="folder for the PNGs, created if missing (default: the trace file's folder)")
+    _add_verbosity(plot)
     return parser
 
 
@@ -190,9 +204,11 @@ def pick_messages(script: list[str], num_turns: int) -> list[str]:
 def _chat(args: argparse.Namespace) -> int:
     from . import CapacityError, ConfigError, CorruptBlockError, LayoutError, load_config
     from .chat import DEFAULT_NUM_TURNS, DEFAULT_USER_MESSAGES, run_chat
-    from .errors import MetricsPortError
+    from .errors import MetricsPortError, TraceError
     from .models import ModelNotFoundError, load_model
+    from .trace import TraceRecorder
 
+    server = recorder = None
     try:
         cfg = load_config(args.config)
         if args.script is not None:
@@ -202,23 +218,28 @@ def _chat(args: argparse.Namespace) -> int:
             script = list(DEFAULT_USER_MESSAGES)
             num_turns = args.turns or DEFAULT_NUM_TURNS
         server = _serve_metrics(args.metrics_port)  # before the model loads: a taken port fails fast
-    except (ConfigError, MetricsPortError, OSError, ValueError) as exc:
-        return _fail(exc, EXIT_USAGE)
-    try:
+        if args.trace is not None:  # before the model loads: an unwritable path fails fast
+            recorder = TraceRecorder(args.trace)
         model, tokenizer = load_model(args.model, progress=not (args.no_progress or args.quiet),
                                       device=cfg.hot.device)
-    except (ModelNotFoundError, OSError, ValueError) as exc:
+    except (ConfigError, ModelNotFoundError, OSError, ValueError) as exc:  # MetricsPortError is an OSError
         _close(server)
+        _close_quietly(recorder)
         return _fail(exc, EXIT_USAGE)
     try:
         run_chat(model, tokenizer, cfg, pick_messages(script, num_turns), args.max_new_tokens,
-                 hooks_mode=None if args.no_hooks else args.hooks_mode)
+                 hooks_mode=None if args.no_hooks else args.hooks_mode, trace=recorder)
+        if recorder is not None:
+            recorder.close()
+            print(f"trace: {recorder.path} ({recorder.num_steps} steps, {recorder.num_turns} turns); "
+                  f"draw it with: tiered-kv plot {recorder.path}")
     except ConfigError as exc:  # found when the store starts, e.g. cold.path in use by another process
         return _fail(exc, EXIT_USAGE)
-    except (CapacityError, CorruptBlockError, LayoutError, OSError) as exc:  # OSError: e.g. the cold disk is full
+    except (CapacityError, CorruptBlockError, LayoutError, TraceError, OSError) as exc:  # OSError: e.g. a full disk
         return _fail(exc, 1)
     finally:
         _close(server)
+        _close_quietly(recorder)
     return 0
 
 
@@ -258,6 +279,36 @@ def _diagnose(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:  # a slab larger than free memory, cold.path in use, a prompt too long
         return _fail(exc, EXIT_USAGE)
     print(json.dumps(report_json(report), indent=2) if args.json else report_text(report))
+    return 0
+
+
+def _close_quietly(recorder) -> None:
+    """Close a trace on the way out of a failed command (its own error, if any, is logged)."""
+    from .errors import TraceError
+
+    if recorder is not None and not recorder.is_closed:
+        try:
+            recorder.close()
+        except TraceError as exc:
+            print(f"tiered-kv: warning: {exc}", file=sys.stderr)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .errors import TraceError
+    from .trace import read_trace
+    from .trace.plot import PlotUnavailable, plot_trace
+
+    try:
+        trace = read_trace(args.trace)
+        out_dir = args.out_dir if args.out_dir is not None else Path(args.trace).parent
+        paths = plot_trace(trace, out_dir)
+    except (TraceError, PlotUnavailable) as exc:
+        return _fail(exc, EXIT_USAGE)
+    if not trace.is_complete:
+        print(f"tiered-kv: note: {args.trace} has no end line (the chat stopped early); drew what it holds",
+              file=sys.stderr)
+    for path in paths:
+        print(path)
     return 0
 
 
@@ -340,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                 return _gc(args)
             if args.command == "diagnose":
                 return _diagnose(args)
+            if args.command == "plot":
+                return _plot(args)
             return _chat(args)
         except KeyboardInterrupt:
             print("tiered-kv: interrupted", file=sys.stderr)

@@ -21,6 +21,10 @@ class LayoutError(ValueError):
     """A model config or tensor does not match what the bank/store can serve (names the field)."""
 
 
+class TraceError(ValueError):
+    """A trace file cannot be written, or read back: the message names the file (and the line)."""
+
+
 class BankClosedError(RuntimeError):
     """A CacheBank was used after close(): its blocks were released. Create a new bank."""
 

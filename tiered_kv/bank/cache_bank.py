@@ -118,6 +118,9 @@ class CacheBank(Stepping, ChatOps, Cache):
         self._touched_order_version = -1
         self._forward_pins = None  # reads_host_tiers of a committed step still pinned until its forward ends
         self._closed = False
+        # told of every committed step: step_committed(bank, num_new_tokens, num_tokens, step_s),
+        # called under the store lock (tiered_kv/trace's TraceRecorder); None: nobody listens
+        self.step_observer = None
         self._stream_buffers: StreamBuffers | None = None  # created by the first hooked step
         self._hook_counts = dict.fromkeys(("layers_view", "layers_gathered", "layers_streamed", "layers_merged",
                                            "layers_paged"), 0)
@@ -252,6 +255,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         other._touched_order_version = -1
         other._forward_pins = None
         other._stream_buffers = None
+        other.step_observer = None  # an observer follows the bank it was given, not its copies
         other._hook_counts = dict.fromkeys(self._hook_counts, 0)
         other._structure_changed()
         self.store.retain([b for row in other._rows for b in row.table])

@@ -47,6 +47,7 @@ class Step:
     read_runs: list[list[TierRun]] = field(default_factory=list)
     reads_host_tiers: bool = False
     reads: object = None  # StepReads (layer_reads.py) when tiered_kv.hooks serve this step's attention
+    started_s: float = 0.0  # time.perf_counter() when layer 0 began the step
 
     def block_table(self, row_index: int, committed: list[int]) -> list[int]:
         """The row's block table as it will be once this step commits."""

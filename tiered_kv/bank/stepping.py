@@ -71,6 +71,7 @@ class Stepping:
 
     # ---- one forward pass ------------------------------------------------------------------
     def _begin_step(self, key_states: torch.Tensor) -> None:
+        started_s = time.perf_counter()  # the step's duration, as a step observer sees it
         self._abandon_step()  # a previous forward that never reached its last layer
         num_rows, _, num_new, _ = key_states.shape
         self._bind(key_states)
@@ -88,7 +89,7 @@ class Stepping:
         with store.lock:
             store.drain_deferred()
             step = Step(num_new, num_tokens, created_rows=not self._rows, inputs=inputs,
-                        hooked=inputs[0].token_ids is not None)
+                        hooked=inputs[0].token_ids is not None, started_s=started_s)
             if step.created_rows:
                 self._rows = [Row() for _ in range(num_rows)]
             self._step = step
@@ -187,6 +188,10 @@ class Stepping:
             if replaced:
                 store.release(replaced)
                 self._block_set = {b for row in self._rows for b in row.table}
+            observer = self.step_observer
+            if observer is not None:  # e.g. a TraceRecorder (tiered_kv/trace); None costs one check
+                observer.step_committed(self, step.num_new_tokens, step.num_tokens,
+                                        time.perf_counter() - step.started_s)
 
     def _count_step(self, step: Step) -> None:
         """Tokens computed by kind; the turn's time to first token at the end of its first forward."""
