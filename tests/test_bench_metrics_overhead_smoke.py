@@ -29,10 +29,11 @@ def test_metrics_overhead_bench_smallest_size(tmp_path):
         on, off = row["tokens_per_s"]["on"], row["tokens_per_s"]["off"]
         assert all(math.isfinite(v) and v > 0 for v in (on, off)), name
         assert math.isclose(row["ratio_on_off"], on / off), name
+        assert row["paired_ratio_on_off"] > 0, name
     # offload reads history out of the lower tiers each layer and step: those reads were timed
-    assert rows["offload"]["read_observations"].get("warm", 0) > 0
-    assert rows["hot"]["read_observations"] == {}
-    assert rows["offload"]["bank_blocks"]["on"]["warm"] > 0
+    assert rows["offload"]["read_observations_per_round"].get("warm", 0) > 0
+    assert sum(rows["hot"]["read_observations_per_round"].values()) == 0
+    assert rows["offload"]["bank_blocks"]["warm"] > 0
     # counted ops: the offload case times its lower-tier reads, so it observes more than hot does
     assert rows["offload"]["ops_per_step"]["observe"] > rows["hot"]["ops_per_step"]["observe"]
     assert rows["hot"]["ops_per_step"]["inc"] > 0
