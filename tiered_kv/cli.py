@@ -27,34 +27,24 @@ EXIT_USAGE = 2
 LOGGER_NAME = "tiered_kv"
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; give a port from 0 (any free one) to 65535")
-    return value
+def _bounded(convert, low, high, allowed: str):
+    """An argparse type: `convert(text)` (int or float) within [low, high], else an error naming what is allowed."""
+    kind = "an integer" if convert is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed; give {allowed}")
+        return value
+    return parse
 
 
-def _share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; give a share from 0 to 1")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; give an integer >= 1")
-    return value
+_port = _bounded(int, 0, 65535, "a port from 0 (any free one) to 65535")
+_share = _bounded(float, 0.0, 1.0, "a share from 0 to 1")
+_positive_int = _bounded(int, 1, float("inf"), "an integer >= 1")
 
 
 def build_parser() -> argparse.ArgumentParser:
