@@ -73,6 +73,8 @@ class ChatOps:
         previous = row.keys[-1] if row.keys else root
         keys = chain_keys(previous, token_ids, block_size, num_blocks, limit // block_size - num_blocks)
         found = self.store.lookup_and_retain(keys)
+        if len(found) < len(keys):  # the rest of the chain may be on the shared remote tier
+            found += self.store.fetch_remote(keys[len(found):], root)
         if not found:
             return
         num_tokens = (num_blocks + len(found)) * block_size

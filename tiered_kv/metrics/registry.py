@@ -216,6 +216,18 @@ class Metrics:
                                 "(close_no_room: cold had no slot; close_write_failed: moving them there failed)",
                                 ("reason",))
         self.write_errors = c("write_errors_total", "Failed durable writes, by errno name", ("tier", "error"))
+        # the shared remote tier (tiered_kv/remote/)
+        self.remote_hits = c("remote_hits_total", "Blocks a local miss found on the remote server (checked, brought in)")
+        self.remote_misses = c("remote_misses_total", "Remote lookups that stopped at a block, by why "
+                               "(missing, bad: failed its checks, down: server unreachable, no_room)", ("reason",))
+        self.remote_bytes = c("remote_bytes_total", "Bytes of block values to and from the remote server",
+                              ("direction",))
+        self.remote_writes = c("remote_writes_total", "Blocks written to the remote server")
+        self.remote_writes_dropped = c("remote_writes_dropped_total", "Blocks not written to the remote server, "
+                                       "by why (down, queue_full, gone: freed before the writer got to it)",
+                                       ("reason",))
+        self.remote_errors = c("remote_errors_total", "Failed remote round trips, by operation", ("op",))
+        self.remote_seconds = h("remote_seconds", "Duration of one pipelined remote round trip", ("op",))
 
     def _counter(self, name: str, help_text: str, labelnames: tuple[str, ...] = ()) -> Counter:
         family = Counter(name, help_text, labelnames, self)

@@ -59,6 +59,8 @@ class Reporting:
             out.update(self._scheduler_stats())
             out.update(self.layout_stats())  # fragmentation, contiguity, contiguity_min (layout.py)
             out["metrics"] = self.metrics.snapshot()  # every counter and histogram (tiered_kv/metrics/)
+            # the shared remote tier: hits, misses, bytes in and out, errors, latency (None: off)
+            out["remote"] = self.remote.stats() if self.remote is not None else None
             return out
 
     def scratch_buffers(self) -> dict:

@@ -31,13 +31,14 @@ import torch
 from ..block_index import BlockIndex
 from ..blocks import KVLayout
 from ..config import Config, load_config
-from ..errors import CapacityError, ColdPathInUseError, LayoutError
+from ..errors import CapacityError, ColdPathInUseError, CorruptBlockError, LayoutError
 from ..hw.block_copy import BlockCopier, device_staging
 from ..hw.copy_engine import make_copy_engine
 from ..hw.devices import resolve_device, resolve_pinned
 from ..hw.link_monitor import make_link_monitor
 from ..metrics.registry import Metrics
 from ..metrics.stores import register_store
+from ..remote import RemoteTier
 from ..pool import SlotPool
 from ..scheduler import COLD, HOT, TIER_NAMES, WARM, MemScheduler
 from ..scheduler.access_log import AccessLog
@@ -107,6 +108,7 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
         self._closed = False
         self._num_owners = 0  # banks that created this store and close it together
         self._cold_directory: ColdDirectory | None = None
+        self.remote: RemoteTier | None = None  # the shared remote tier (config `remote:`), below cold
         _OPEN_STORES.add(self)
         self.cold_unavailable: str | None = None  # why this store runs without its cold tier
         if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
@@ -118,6 +120,12 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
                 # config) runs on hot and warm alone rather than failing or sharing unsafely
                 self.cold_unavailable = str(error)
                 log.warning("%s; this store runs without a cold tier (hot and warm only)", error)
+        if self.config.remote.enabled:
+            try:  # a wrong password (or, when required, an unreachable server) fails the start
+                self.remote = RemoteTier(self.config.remote, self.metrics)
+            except BaseException:
+                self.close()
+                raise
 
     def __deepcopy__(self, memo):
         return self  # a store is a shared resource: copies of banks share it
@@ -183,6 +191,8 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
             low_blocks=tuple(int(c.low_watermark * n) for c, n in zip(tier_cfgs, capacities)))
         if cfg.scheduler.background:
             self._mover = Mover(self, cfg.scheduler.mover_interval_s)
+        if self.remote is not None:
+            self.remote.bind(layout, self._read_block_bytes)
 
     @property
     def capacities(self) -> list[int]:
@@ -302,7 +312,52 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
             published = self.index.publish(block_id, key, root)
             if published:
                 self._executor.persist_if_published(block_id)
+                if self.remote is not None and root is not None:
+                    self.remote.enqueue(block_id, key, root)  # written behind, by the remote writer thread
             return published
+
+    # ---- the remote tier -------------------------------------------------------------------
+    def fetch_remote(self, keys: list[bytes], root: bytes) -> list[int]:
+        """After a local miss: the leading run of `keys` the remote server holds intact, as new
+        blocks of this store (placed as high as room allows, published, retained once for the
+        caller). The network round trip runs outside the store lock; [] when there is no remote
+        tier, the server is down or holds none of them, or the tiers have no room."""
+        if self.remote is None or not keys or not self.is_bound:
+            return []
+        blocks = self.remote.fetch(keys, root)
+        if not blocks:
+            return []
+        with self.lock:
+            self._check_open()
+            try:
+                block_ids = self.allocate(len(blocks))
+            except CapacityError:
+                self.metrics.remote_misses.inc(("no_room",))
+                return []
+            shape = (1, *self.layout.record_shape())
+            for block_id, key, data in zip(block_ids, keys, blocks):
+                entry = self.index.get(block_id)
+                block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).reshape(shape)
+                self.tiers[entry.tier].write_blocks([entry.slot], block)
+                self.remote.note_known(key)  # it came from there: never written back
+                self.publish(block_id, key, root)
+            self.copy_engine.after_host_to_device()
+            return block_ids
+
+    def _read_block_bytes(self, block_id: int, key: bytes):
+        """The remote writer's read: the bytes (uint8 numpy, host) of `block_id` if it still holds
+        `key` and is intact; else None. Under the store lock, so the block cannot move meanwhile."""
+        with self.lock:
+            if self._closed or block_id not in self.index:
+                return None
+            entry = self.index.get(block_id)
+            if entry.key != key or entry.is_corrupt:
+                return None
+            try:
+                data = self.tiers[entry.tier].read_blocks([entry.slot])
+            except CorruptBlockError:
+                return None
+            return data.contiguous().view(torch.uint8).cpu().numpy()
 
     def lookup_and_retain(self, keys: list[bytes]) -> list[int]:
         """The blocks of the longest run of `keys` (from the first) that the store holds intact,
@@ -455,6 +510,9 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
             return self._stream_worker
 
     def close(self) -> None:
+        remote = self.remote
+        if remote is not None and not self.lock._is_owned():
+            remote.close()  # its writer reads blocks under the lock: flush it before taking the lock
         mover = self._mover
         if mover is not None:
             # its batch in progress needs the lock to commit: wait for it unless we hold the lock
@@ -469,6 +527,8 @@ class TierStore(StepAccess, Durability, Reporting, HotLayout):
             self._drain_if_bound()
             self._persist_before_close()
             self._closed = True
+            if self.remote is not None:
+                self.remote.close(flush=False)  # flushed above unless close() was called under the lock
             self.link_monitor.close()
             if self._executor is not None:
                 self._executor.close()

@@ -1,0 +1,233 @@
+"""The shared remote tier (issue 10) against real Redis servers (tests/redis_servers.py).
+
+Every reuse is checked against a fresh computation (transformers' DynamicCache): blocks that
+come from the server must give exactly the tokens a recompute gives, and every fault (server
+down, killed, garbage at a key, expiry, another model's value) must cost reuse, never tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import greedy, rand_ids, reference, same_shape_model, tiny_model
+from redis_servers import RedisCluster, RedisServer, require_redis_binaries
+
+import tiered_kv
+from tiered_kv import CacheBank
+from tiered_kv.errors import ConfigError
+from tiered_kv.remote import codec
+
+PASSWORD_ENV = "TKV_TEST_REDIS_PASSWORD"
+PASSWORD = "pw-for-tests"
+BLOCK_SIZE = 4
+NEW_TOKENS = 5
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _password(monkeypatch):
+    require_redis_binaries()
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+
+
+def config(tmp_path, url: str, **remote) -> dict:
+    return {"block_size": BLOCK_SIZE, "hot": {"device": "cpu", "capacity_blocks": 64},
+            "warm": {"capacity_blocks": 64}, "cold": {"capacity_blocks": 0, "path": str(tmp_path / "cold")},
+            "remote": {"url": url, "password_env": PASSWORD_ENV, "timeout_ms": 300, **remote}}
+
+
+def first_chat(model, cfg, ids) -> torch.Tensor:
+    """One turn in a bank of its own store, closed after (its writes flushed): another process, as far
+    as the server can tell."""
+    bank = CacheBank(model, cfg)
+    out = greedy(model, ids, bank, NEW_TOKENS)
+    bank.close()
+    return out
+
+
+def test_a_second_store_reuses_the_prefix_and_tokens_equal_a_recompute(tmp_path):
+    model = tiny_model("llama")
+    ids = rand_ids(1, 41)
+    with RedisServer(password=PASSWORD) as server:
+        out = first_chat(model, config(tmp_path / "a", server.url), ids)
+        bank = CacheBank(model, config(tmp_path / "b", server.url))
+        reused = bank.attach(out)
+        stored = (out.shape[1] - 1) // BLOCK_SIZE * BLOCK_SIZE  # the full blocks of the first chat's KV
+        assert reused >= 0.9 * stored and reused == stored
+        assert torch.equal(greedy(model, out, bank, NEW_TOKENS), reference(model, out, NEW_TOKENS))
+        remote = bank.stats()["remote"]
+        assert remote["hits"] == stored // BLOCK_SIZE
+        assert remote["bytes_in"] == remote["hits"] * codec.value_bytes(bank.store.layout)
+        bank.close()
+
+
+def test_wrong_password_is_a_clear_error_at_start(tmp_path, monkeypatch):
+    with RedisServer(password=PASSWORD) as server:
+        monkeypatch.setenv(PASSWORD_ENV, "not-the-password")
+        with pytest.raises(ConfigError, match="remote.url.*" + server.url.replace("/", ".")):
+            tiered_kv.TierStore(config(tmp_path, server.url))
+
+
+def test_unreachable_server_warns_and_runs_locally_or_fails_when_required(tmp_path, caplog):
+    with RedisServer(password=PASSWORD) as server:
+        url = server.url
+    model = tiny_model("llama")  # the server is gone: nothing listens on its port
+    ids = rand_ids(2, 30)
+    with caplog.at_level(logging.WARNING, logger="tiered_kv"):
+        bank = CacheBank(model, config(tmp_path / "a", url))
+    assert any("cannot reach" in r.getMessage() and url in r.getMessage() for r in caplog.records)
+    assert torch.equal(greedy(model, ids, bank, NEW_TOKENS), reference(model, ids, NEW_TOKENS))
+    assert bank.stats()["remote"]["hits"] == 0
+    bank.close()
+    with pytest.raises(ConfigError, match="remote.required"):
+        tiered_kv.TierStore(config(tmp_path / "b", url, required=True))
+
+
+def test_server_killed_mid_chat_then_restarted(tmp_path, caplog):
+    model = tiny_model("llama")
+    ids = rand_ids(3, 40)
+    with RedisServer(password=PASSWORD) as server:
+        bank = CacheBank(model, config(tmp_path / "a", server.url))
+        out = greedy(model, ids, bank, NEW_TOKENS)
+        server.kill()
+        with caplog.at_level(logging.WARNING, logger="tiered_kv"):
+            ids2 = torch.cat([out, rand_ids(4, 9)], dim=1)
+            bank.attach(ids2)
+            out2 = greedy(model, ids2, bank, NEW_TOKENS)  # the turn publishes blocks: writes fail, nothing waits
+            bank.store.remote.flush()
+        assert torch.equal(out2, reference(model, ids2, NEW_TOKENS))
+        stats = bank.stats()["remote"]
+        assert stats["errors"] and stats["down"] is True or stats["writes_dropped"]
+        assert any("remote tier" in r.getMessage() for r in caplog.records)
+        server.restart()  # empty: it kept nothing
+        time.sleep(0.6)  # past the first backoff (0.5 s)
+        ids3 = torch.cat([out2, rand_ids(5, 12)], dim=1)
+        bank.attach(ids3)
+        out3 = greedy(model, ids3, bank, NEW_TOKENS)
+        bank.store.remote.flush()
+        assert torch.equal(out3, reference(model, ids3, NEW_TOKENS))
+        assert bank.stats()["remote"]["writes"] > 0  # writing again
+        bank.close()
+
+
+def test_garbage_at_a_key_stops_the_chain_and_is_recomputed(tmp_path, caplog):
+    import redis
+
+    model = tiny_model("llama")
+    ids = rand_ids(6, 40)
+    with RedisServer(password=PASSWORD) as server:
+        out = first_chat(model, config(tmp_path / "a", server.url), ids)
+        client = redis.Redis.from_url(server.url, password=PASSWORD)
+        keys = sorted(client.keys(b"tkv:*"))
+        assert len(keys) == (out.shape[1] - 1) // BLOCK_SIZE
+        # find the remote key of the chain's 4th block: the one whose value names it
+        bank = CacheBank(model, config(tmp_path / "b", server.url, write="off"))
+        root = bank.fingerprint.root_key("float32")
+        chain = tiered_kv.identity.chain_keys(root, out[0].tolist(), BLOCK_SIZE, 0, len(keys))
+        victim = codec.remote_key("tkv:", bank.store.layout, root, chain[3])
+        value = bytearray(client.get(victim))
+        value[-7] ^= 0xFF  # one flipped byte in the last layer's data
+        client.set(victim, bytes(value))
+        with caplog.at_level(logging.WARNING, logger="tiered_kv"):
+            reused = bank.attach(out)
+        assert reused == 3 * BLOCK_SIZE  # blocks 0-2 came, block 3 failed its check, the chain stopped
+        assert any("checksum" in r.getMessage() for r in caplog.records)
+        assert bank.stats()["remote"]["misses"] == {"bad": 1}
+        assert torch.equal(greedy(model, out, bank, NEW_TOKENS), reference(model, out, NEW_TOKENS))
+        bank.close()
+
+
+def _layout(model):
+    from tiered_kv.blocks import layout_from_model_config
+
+    return layout_from_model_config(model.config, BLOCK_SIZE, "float32")
+
+
+def test_ttl_expiry_is_a_miss(tmp_path):
+    model = tiny_model("llama")
+    ids = rand_ids(7, 30)
+    with RedisServer(password=PASSWORD) as server:
+        out = first_chat(model, config(tmp_path / "a", server.url, ttl=1), ids)
+        time.sleep(1.6)
+        bank = CacheBank(model, config(tmp_path / "b", server.url))
+        assert bank.attach(out) == 0
+        assert bank.stats()["remote"]["misses"] == {"missing": 1}
+        assert torch.equal(greedy(model, out, bank, NEW_TOKENS), reference(model, out, NEW_TOKENS))
+        bank.close()
+
+
+def test_two_models_of_one_shape_never_share(tmp_path):
+    import redis
+
+    model = tiny_model("llama")
+    other = same_shape_model(model, seed=99)
+    ids = rand_ids(8, 40)
+    with RedisServer(password=PASSWORD) as server:
+        out = first_chat(model, config(tmp_path / "a", server.url), ids)
+        bank = CacheBank(other, config(tmp_path / "b", server.url))
+        assert bank.attach(out) == 0  # its keys chain from another fingerprint
+        # even a value copied under the other model's key is refused: its header names the first model
+        client = redis.Redis.from_url(server.url, password=PASSWORD)
+        layout = _layout(model)
+        root_a = CacheBank(model, config(tmp_path / "c", server.url, write="off")).fingerprint.root_key("float32")
+        root_b = bank.fingerprint.root_key("float32")
+        key_a = tiered_kv.identity.chain_keys(root_a, out[0].tolist(), BLOCK_SIZE, 0, 1)[0]
+        key_b = tiered_kv.identity.chain_keys(root_b, out[0].tolist(), BLOCK_SIZE, 0, 1)[0]
+        client.set(codec.remote_key("tkv:", layout, root_b, key_b), client.get(codec.remote_key("tkv:", layout, root_a, key_a)))
+        bank.reset()
+        assert bank.attach(out) == 0
+        assert bank.stats()["remote"]["misses"].get("bad") == 1
+        assert torch.equal(greedy(other, out, bank, NEW_TOKENS), reference(other, out, NEW_TOKENS))
+        bank.close()
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    from helpers import greedy, rand_ids, reference, tiny_model
+    from tiered_kv import CacheBank
+    cfg = json.loads(sys.argv[1])
+    model = tiny_model("llama")
+    ids = torch.tensor([json.loads(sys.argv[2])]) if len(sys.argv) > 2 else rand_ids(11, 60)
+    bank = CacheBank(model, cfg)
+    reused = bank.attach(ids)
+    out = greedy(model, ids, bank, 6)
+    equal = torch.equal(out, reference(model, ids, 6))
+    stats = bank.stats()["remote"]
+    bank.close()
+    print(json.dumps({{"reused": reused, "equal": equal, "out": out[0].tolist(), "hits": stats["hits"]}}))
+""").format(tests=str(REPO / "tests"))
+
+
+def _run_process(cfg: dict, ids: list[int] | None = None) -> dict:
+    import json
+
+    args = [sys.executable, "-c", SCRIPT, json.dumps(cfg)] + ([json.dumps(ids)] if ids is not None else [])
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, PASSWORD_ENV: PASSWORD})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kind", ["server", "cluster"])
+def test_two_processes_share_a_conversation(tmp_path, kind):
+    with (RedisServer(password=PASSWORD) if kind == "server" else RedisCluster(password=PASSWORD)) as server:
+        extra = {"cluster": True} if kind == "cluster" else {}
+        first = _run_process(config(tmp_path / "a", server.url, **extra))
+        assert first["equal"] and first["reused"] == 0
+        conversation = first["out"] + [7, 9, 11]  # the next user message
+        second = _run_process(config(tmp_path / "b", server.url, **extra), conversation)
+        stored = (len(first["out"]) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert second["reused"] >= 0.9 * stored
+        assert second["hits"] == second["reused"] // BLOCK_SIZE
+        assert second["equal"]
