@@ -231,3 +231,44 @@ def test_two_processes_share_a_conversation(tmp_path, kind):
         assert second["reused"] >= 0.9 * stored
         assert second["hits"] == second["reused"] // BLOCK_SIZE
         assert second["equal"]
+
+
+@pytest.mark.parametrize("remote, message", [
+    ({"url": "http://127.0.0.1:6379"}, "unknown scheme 'http'"),
+    ({"url": "redis://:secret@127.0.0.1:6379"}, "carries a password"),
+    ({"url": "redis://127.0.0.1:99999"}, "malformed"),
+    ({"url": "redis:///0"}, "no host"),
+    ({"url": "redis://h:6379/zero"}, "database 'zero'"),
+    ({"url": "unix://"}, "unix:///absolute/path"),
+    ({"url": "unix:///tmp/r.sock", "cluster": True}, "remote.cluster"),
+    ({"password_env": "TKV_SURELY_UNSET_VARIABLE"}, "not set in the environment"),
+    ({"password_env": "not a name"}, "remote.password_env"),
+    ({"ttl": -1}, "remote.ttl"),
+    ({"write": "back"}, "remote.write"),
+    ({"timeout_ms": 0}, "remote.timeout_ms"),
+    ({"key_prefix": "has space"}, "remote.key_prefix"),
+    ({"required": "yes"}, "remote.required"),
+])
+def test_bad_remote_config_names_the_key(remote, message):
+    with pytest.raises(ConfigError, match=message):
+        tiered_kv.load_config({"remote": remote})
+
+
+def test_example_config_loads_with_its_password_variable(monkeypatch):
+    monkeypatch.setenv("TKV_REDIS_PASSWORD", "x")
+    cfg = tiered_kv.load_config(REPO / "configs" / "remote.yaml")
+    assert cfg.remote.enabled and cfg.remote.password() == "x" and cfg.remote.url.startswith("redis://")
+    monkeypatch.delenv("TKV_REDIS_PASSWORD")
+    with pytest.raises(ConfigError, match="remote.password_env.*TKV_REDIS_PASSWORD"):
+        tiered_kv.load_config(REPO / "configs" / "remote.yaml")
+
+
+def test_unix_socket_url(tmp_path):
+    model = tiny_model("llama")
+    ids = rand_ids(12, 30)
+    with RedisServer(password=PASSWORD, unix_socket=True) as server:
+        assert server.url.startswith("unix://")
+        out = first_chat(model, config(tmp_path / "a", server.url), ids)
+        bank = CacheBank(model, config(tmp_path / "b", server.url))
+        assert bank.attach(out) == (out.shape[1] - 1) // BLOCK_SIZE * BLOCK_SIZE
+        bank.close()
