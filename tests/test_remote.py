@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -272,3 +273,34 @@ def test_unix_socket_url(tmp_path):
         bank = CacheBank(model, config(tmp_path / "b", server.url))
         assert bank.attach(out) == (out.shape[1] - 1) // BLOCK_SIZE * BLOCK_SIZE
         bank.close()
+
+
+def test_decode_never_touches_the_network(tmp_path, monkeypatch):
+    """Every remote round trip of a chat runs either in attach() (turn start) or on the writer
+    thread; none inside generate()'s forward passes on the calling thread."""
+    from tiered_kv.remote.client import RemoteClient
+
+    calls = []
+    for name in ("get_many", "set_many"):
+        original = getattr(RemoteClient, name)
+
+        def spy(self, *args, _original=original, _name=name, **kwargs):
+            calls.append((_name, threading.current_thread() is threading.main_thread(), phase[0]))
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(RemoteClient, name, spy)
+    phase = ["setup"]
+    model = tiny_model("llama")
+    ids = rand_ids(13, 41)
+    with RedisServer(password=PASSWORD) as server:
+        out = first_chat(model, config(tmp_path / "a", server.url), ids)
+        bank = CacheBank(model, config(tmp_path / "b", server.url))
+        phase[0] = "attach"
+        bank.attach(out)
+        phase[0] = "generate"
+        greedy(model, out, bank, 8)
+        phase[0] = "after"
+        bank.store.remote.flush()
+        bank.close()
+    assert ("get_many", True, "attach") in calls  # the lookup ran at the turn's start
+    assert not [c for c in calls if c[2] == "generate" and c[1]]  # nothing on the caller during decode
+    assert any(name == "set_many" and not on_main for name, on_main, _ in calls)  # writes went behind
