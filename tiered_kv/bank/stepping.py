@@ -71,7 +71,7 @@ class Stepping:
 
     # ---- one forward pass ------------------------------------------------------------------
     def _begin_step(self, key_states: torch.Tensor) -> None:
-        started_s = time.perf_counter()  # the step's duration, as a step observer sees it
+        started_s = time.perf_counter()  # the step's duration (step observers), a turn's start (TTFT)
         self._abandon_step()  # a previous forward that never reached its last layer
         num_rows, _, num_new, _ = key_states.shape
         self._bind(key_states)
@@ -81,7 +81,7 @@ class Stepping:
                 "use batch_select_indices / batch_repeat_interleave, or reset() the bank")
         num_tokens = self._seq_len + num_new
         if num_new > 1 and self._turn_started_s is None:  # a turn without attach() starts here
-            self._turn_started_s = time.perf_counter()
+            self._turn_started_s = started_s
             self.store.metrics.turns.inc()
         self._check_fits(num_rows, num_tokens)
         inputs = self._take_inputs(num_rows, num_new)
