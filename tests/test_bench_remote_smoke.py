@@ -58,9 +58,11 @@ def test_remote_bench_tiny(tmp_path):
     assert sorted(r["variant"] for r in decode["rounds"]) == ["control", "off", "on"]
     for row in decode["rounds"]:
         assert _positive(row["tok_s"]), row["variant"]
-        assert row["reused_tokens"] == PROMPT_TOKENS, row["variant"]  # each store holds the prefix after warm-up
+        assert row["reused_tokens"] == PROMPT_TOKENS, row["variant"]  # the bank holds the prefix after warm-up
         assert (row["remote_writes"] > 0 and row["remote_bytes_out"] > 0) == (row["variant"] == "on"), row
-    assert decode["remote"]["off"]["writes"] == 0 and decode["remote"]["control"]["writes"] == 0
+    # the store wrote only in its "on" rounds (warm-up included): nothing while its writer was off
+    on_writes = sum(r["remote_writes"] for r in decode["rounds"] + decode["warm_up"] if r["variant"] == "on")
+    assert decode["remote"]["store"]["writes"] == on_writes
 
     summary = result["summary"]
     assert summary["tokens_equal"] is True and all(summary["tokens_equal_per_mode"].values())

@@ -297,7 +297,8 @@ class RemoteConfig:
     `username` and `password_env` (the NAME of an environment variable holding the password,
     never the password itself): AUTH. `key_prefix` starts every key. `ttl` seconds (0: keys never
     expire). `write`: through (full verified blocks are written behind, off the decode path) or
-    off (read only). `timeout_ms` bounds every round trip. `required`: fail at start when the
+    off (read only). `timeout_ms` bounds connecting and each socket read (not a whole pipelined
+    trip, which may carry hundreds of blocks). `required`: fail at start when the
     server cannot be reached (else warn and run on the local tiers, retrying with backoff)."""
     url: str = ""
     cluster: bool = False

@@ -2,7 +2,8 @@
 
 One `RemoteClient` per store, shared by the thread that looks blocks up (a bank's attach) and
 the writer thread (redis-py clients are thread safe: each command takes a pooled connection).
-Every round trip is bounded by `remote.timeout_ms`. A failure (server down, timeout, a reply
+`remote.timeout_ms` bounds connecting and every socket read (each reply's bytes must keep
+coming), not a whole pipelined trip: fetching 256 blocks of 720 KiB takes ~0.4 s on localhost. A failure (server down, timeout, a reply
 that is not what was asked) never raises to the caller: it counts, warns (throttled), marks the
 server down for a backoff that doubles from 0.5 s to 30 s, and the caller gets a miss / a
 dropped write. While down, calls return at once without touching the network; the first call

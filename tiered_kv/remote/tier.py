@@ -48,16 +48,14 @@ class RemoteTier:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._known: OrderedDict[bytes, None] = OrderedDict()
+        # remote.write: through; a plain flag, so a running store can stop or resume writing
+        self.write_through = cfg.write == "through"
         self.reachable_at_start = self.client.connect()  # ConfigError: wrong password, or required and down
 
     def bind(self, layout: KVLayout, read_block) -> None:
         """The store knows its layout: values can be encoded, decoded, and read out of it."""
         self.layout = layout
         self._read_block = read_block
-
-    @property
-    def writes(self) -> bool:
-        return self.cfg.write == "through"
 
     def key_of(self, root: bytes, key: bytes) -> bytes:
         return codec.remote_key(self.cfg.key_prefix, self.layout, root, key)
@@ -73,7 +71,7 @@ class RemoteTier:
     # ---- writing -------------------------------------------------------------------------------
     def enqueue(self, block_id: int, key: bytes, root: bytes) -> None:
         """Queue a just-published block for the server (returns at once)."""
-        if not self.writes or self.layout is None:
+        if not self.write_through or self.layout is None:
             return
         with self._condition:
             if key in self._known or self._stopping:
@@ -171,7 +169,7 @@ class RemoteTier:
 
     def stats(self) -> dict:
         m = self.metrics
-        return {"url": self.cfg.url, "cluster": self.cfg.cluster, "write": self.cfg.write,
+        return {"url": self.cfg.url, "cluster": self.cfg.cluster, "write": "through" if self.write_through else "off",
                 "down": self.client.is_down, "last_error": self.client.last_error,
                 "hits": int(m.remote_hits.value()), "misses": {k[0]: int(v) for k, v in m.remote_misses.values.items()},
                 "bytes_in": int(m.remote_bytes.value(("in",))), "bytes_out": int(m.remote_bytes.value(("out",))),
