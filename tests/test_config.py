@@ -162,6 +162,8 @@ def test_to_dict_exact():
                       "cs_weight": 0.5, "default_cost_sensitivity": 0.5, "idle_steps": 1000, "background": True,
                       "mover_interval_s": 0.02, "max_fragmentation": 0.5, "min_contiguity": 0.9},
         "metrics": {"enabled": True},
+        "remote": {"url": "", "cluster": False, "username": "", "password_env": "", "key_prefix": "tkv:", "ttl": 0,
+                   "write": "through", "timeout_ms": 500, "required": False},
     }
 
 
