@@ -65,7 +65,8 @@ class Counter(_Family):
         return self.values.get(labels, 0)
 
     def total(self) -> float:
-        return sum(self.values.values())
+        with self._lock:
+            return sum(self.values.values())
 
     def snapshot(self) -> dict | float:
         """{label key: value}; a family without labels gives its number."""

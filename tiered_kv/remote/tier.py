@@ -171,9 +171,9 @@ class RemoteTier:
         m = self.metrics
         return {"url": self.cfg.url, "cluster": self.cfg.cluster, "write": "through" if self.write_through else "off",
                 "down": self.client.is_down, "last_error": self.client.last_error,
-                "hits": int(m.remote_hits.value()), "misses": {k[0]: int(v) for k, v in m.remote_misses.values.items()},
+                "hits": int(m.remote_hits.value()), "misses": {k[0]: int(v) for k, v in m.remote_misses.snapshot_values()},
                 "bytes_in": int(m.remote_bytes.value(("in",))), "bytes_out": int(m.remote_bytes.value(("out",))),
                 "writes": int(m.remote_writes.value()),
-                "writes_dropped": {k[0]: int(v) for k, v in m.remote_writes_dropped.values.items()},
-                "errors": {k[0]: int(v) for k, v in m.remote_errors.values.items()},
+                "writes_dropped": {k[0]: int(v) for k, v in m.remote_writes_dropped.snapshot_values()},
+                "errors": {k[0]: int(v) for k, v in m.remote_errors.snapshot_values()},
                 "queued": len(self._queue), "latency": m.remote_seconds.snapshot()}

@@ -62,12 +62,12 @@ class PlanExecutor:
     def bytes_moved(self) -> dict[str, int]:
         """Bytes moved per direction ("hot->warm": n), on demand and background together."""
         out = {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
-        for (src, dst, _), num_bytes in list(self.metrics.bytes_moved.values.items()):
+        for (src, dst, _), num_bytes in self.metrics.bytes_moved.snapshot_values():
             out[f"{src}->{dst}"] += int(num_bytes)
         return out
 
     def _bytes_in_mode(self, mode: str) -> int:
-        return int(sum(n for (_, _, m), n in list(self.metrics.bytes_moved.values.items()) if m == mode))
+        return int(sum(n for (_, _, m), n in self.metrics.bytes_moved.snapshot_values() if m == mode))
 
     @property
     def bytes_on_demand(self) -> int:
