@@ -448,3 +448,27 @@ def test_enospc_in_a_background_move_to_cold_warns_once_then_goes_quiet(make_sto
     message = moves[0].getMessage()
     assert "ENOSPC" in message and store.tiers[COLD].file_path in message and "they stay in hot" in message
     assert [store.index.get(b).tier for b in range(3)] == [HOT, HOT, HOT]
+
+
+def test_a_full_disk_makes_the_mover_back_off_then_retry(make_store, monkeypatch):
+    """While every cold write fails, the mover does not replan the same demotion every
+    mover_interval_s: its retries of moves into cold back off (0.5 s, doubling); once the disk
+    has room again, the blocks go down."""
+    attempts = []
+
+    def counted_full_disk(*args):
+        attempts.append(time.monotonic())
+        full_disk()
+
+    monkeypatch.setattr(block_io.os, "pwritev", counted_full_disk)
+    store = make_store(4, 0, 4, hot={"high_watermark": 0.25, "low_watermark": 0.25},
+                       scheduler={"background": True, "mover_interval_s": 0.005})
+    store.allocate(3)  # above hot's high watermark: the mover demotes to cold, and fails
+    time.sleep(1.2)
+    assert 1 <= len(attempts) <= 4, f"{len(attempts)} cold writes in 1.2 s at a 5 ms mover interval"
+    monkeypatch.undo()  # the disk has room again
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and COLD not in [store.index.get(b).tier for b in range(3)]:
+        time.sleep(0.02)
+    store._mover.stop()
+    assert COLD in [store.index.get(b).tier for b in range(3)]

@@ -17,6 +17,7 @@ A demand promotion that needs blocks in flight waits for their batch to land (`w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -36,6 +37,8 @@ from ..scheduler import COLD, DROPPED, HOT, TIER_NAMES, Plan
 log = logging.getLogger(__name__)
 
 BATCH_BYTES = 16 * 2**20  # data moved per batch (bounds how long a commit waits for copies)
+COLD_BACKOFF_FIRST_S = 0.5  # after a failed write into cold, background moves into cold wait this long,
+COLD_BACKOFF_MAX_S = 30.0  # doubling up to this while they keep failing
 WAIT_FOR_LANDING_S = 30.0
 
 
@@ -76,6 +79,11 @@ class Mover:
         self.num_cancelled = 0
         self.bytes_moved = 0
         self._write_warnings = Throttle(log)  # a full disk fails every batch: warn now and then
+        # after a failed write into cold (a full disk), background moves into cold wait this long,
+        # doubling while they keep failing: the mover must not replan them every interval
+        self._cold_retry_at = 0.0
+        self._cold_backoff_s = COLD_BACKOFF_FIRST_S
+        self._cold_retry_pending = False
         self._thread = threading.Thread(target=self._run, name="tiered_kv-mover", daemon=True)
         self._thread.start()
 
@@ -201,6 +209,7 @@ class Mover:
                 store.link_monitor.saturation() <= store.config.scheduler.bs_threshold:
             plan = store.scheduler.plan_background(store.index, store.free_slots(), store.capacities,
                                                    store.watermarks, self._pinned_or_expected(), self.batch_blocks)
+            plan = self._without_cold_moves_while_backing_off(plan)
             if plan.moves:
                 return plan
             # nothing to do: plan again once tier use changes or enough steps passed to change scores
@@ -208,10 +217,24 @@ class Mover:
         plan_compaction = getattr(store, "plan_compaction", None)
         return plan_compaction(self.batch_blocks) if plan_compaction is not None else None
 
+    def _without_cold_moves_while_backing_off(self, plan: Plan) -> Plan:
+        if time.monotonic() >= self._cold_retry_at:
+            return plan
+        self._cold_retry_pending = True  # plan again when the backoff ends, even if nothing changed
+        return dataclasses.replace(plan, moves=[m for m in plan.moves if m.dst_tier != COLD])
+
+    def _cold_write_failed(self) -> None:
+        self._cold_retry_pending = True
+        self._cold_retry_at = time.monotonic() + self._cold_backoff_s
+        self._cold_backoff_s = min(COLD_BACKOFF_MAX_S, 2 * self._cold_backoff_s)
+
     def _background_may_have_work(self) -> bool:
         """False while nothing that a background plan reads changed since one came back empty
         (the mover wakes at every step's end: it must not replan O(blocks) each time)."""
         if self._quiet_since is None:
+            return True
+        if self._cold_retry_pending and time.monotonic() >= self._cold_retry_at:
+            self._cold_retry_pending = False  # a backoff on moves into cold ended: try them again
             return True
         store = self.store
         step, free = self._quiet_since
@@ -290,11 +313,14 @@ class Mover:
         self.copy_engine.synchronize()
         try:
             tiers[COLD].write_blocks([f.dst_slot for f in chunk], staging)
+            self._cold_backoff_s = COLD_BACKOFF_FIRST_S
         except ColdWriteError as error:
+            self._cold_write_failed()
             self._write_warnings.warning(
-                "background move of %d block(s) from %s to the cold tier %s failed (%s: %s): they stay in %s",
-                len(chunk), TIER_NAMES[src_tier], tiers[COLD].file_path, error_name(error), error.strerror or error,
-                TIER_NAMES[src_tier])
+                "background move of %d block(s) from %s to the cold tier %s failed (%s: %s): they stay in %s; "
+                "moves into cold retry in %.1f s", len(chunk), TIER_NAMES[src_tier], tiers[COLD].file_path,
+                error_name(error), error.strerror or error, TIER_NAMES[src_tier],
+                self._cold_retry_at - time.monotonic())
             for f in chunk:
                 f.failed = True
 
