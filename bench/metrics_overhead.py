@@ -43,12 +43,12 @@ from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.generation.streamers import BaseStreamer
 
 # measure the tiered_kv of this checkout, not whichever one an editable install points at
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tiered_kv  # noqa: E402
 from tiered_kv import hooks  # noqa: E402
+from tiered_kv.chat import TurnTimer  # noqa: E402
 from tiered_kv.metrics import registry  # noqa: E402
 
 TARGET_RATIO = 0.98
@@ -91,19 +91,6 @@ def build_model(seed: int, max_tokens: int) -> LlamaForCausalLM:
     return model
 
 
-class _FirstToken(BaseStreamer):
-    def __init__(self) -> None:
-        self.puts, self.first_s = 0, None
-
-    def put(self, value) -> None:
-        self.puts += 1
-        if self.puts == 2:
-            self.first_s = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
 def config_for(placement: str, context: int, steps: int, block_size: int, cold_dir: str, enabled: bool) -> dict:
     blocks = math.ceil((context + steps) / block_size) + 2
     hot = blocks if placement == "hot" else max(4, blocks // 4)
@@ -115,11 +102,11 @@ def config_for(placement: str, context: int, steps: int, block_size: int, cold_d
 
 def decode_round(model, bank, prompt: torch.Tensor, steps: int) -> tuple[float, list[int]]:
     bank.attach(prompt)
-    timer = _FirstToken()
+    timer = TurnTimer()
     out = model.generate(prompt, cache=bank, attention_mask=torch.ones_like(prompt), max_new_tokens=steps,
                          min_new_tokens=steps, do_sample=False, streamer=timer)
     end_s = time.perf_counter()
-    return (steps - 1) / (end_s - timer.first_s), out[0, prompt.shape[1]:].tolist()
+    return (steps - 1) / (end_s - timer.first_token_time), out[0, prompt.shape[1]:].tolist()
 
 
 def measure(model, placement: str, args, tmp: str) -> dict:

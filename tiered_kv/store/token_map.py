@@ -132,7 +132,8 @@ class TokenMapper:
         except CorruptBlockError as error:
             error.tier = run.tier
             raise
-        self.metrics.read_seconds.stop((TIER_NAMES[run.tier],), start)
+        if start is not None:  # a timed read of a lower tier
+            self.metrics.read_seconds.stop((TIER_NAMES[run.tier],), start)
 
     def _read_tokens(self, tier: int, layer: int, index) -> torch.Tensor:
         start = None
@@ -144,7 +145,8 @@ class TokenMapper:
         except CorruptBlockError as error:
             error.tier = tier  # with error.slot: the store finds the block and marks it
             raise
-        self.metrics.read_seconds.stop((TIER_NAMES[tier],), start)
+        if start is not None:  # a timed read of a lower tier
+            self.metrics.read_seconds.stop((TIER_NAMES[tier],), start)
         return data
 
     def write_layer(self, layer: int, runs: list[TierRun], kv: torch.Tensor) -> None:
