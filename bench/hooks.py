@@ -91,8 +91,8 @@ def fill(cache, past: DynamicCache) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from tiered_kv.bank import layer_reads
-    layer_reads.CPU_STREAMING = args.cpu_streaming
+    from tiered_kv.hooks import reads
+    reads.CPU_STREAMING = args.cpu_streaming
     torch.manual_seed(0)
     cases = [c for c in args.cases.split(",") if c]
     model, vocab = load(args.tiny)

@@ -97,7 +97,7 @@ def layout(store: tiered_kv.TierStore) -> dict:
     stats = store.stats()
     return {"contiguity": stats.get("contiguity"), "contiguity_min": stats.get("contiguity_min"),
             "fragmentation": stats.get("fragmentation"), "hot_used_blocks": stats["tiers"]["hot"]["used_blocks"],
-            "relocations": store._executor.num_relocations if store._executor is not None else 0}
+            "relocations": int(store.metrics.relocations.value())}
 
 
 def settle(store: tiered_kv.TierStore, timeout_s: float) -> tuple[bool, float]:

@@ -29,9 +29,10 @@ def tiny_model(arch: str):
     return model
 
 
-def tier_config(kind: str, cold_dir, block_size: int = BLOCK_SIZE) -> dict:
+def tier_config(kind: str, cold_dir, block_size: int = BLOCK_SIZE, engine: str = "auto", delay_us: int = 0) -> dict:
     """all_hot: everything fits in hot. forces_warm: hot smaller than one turn.
-    forces_cold: hot+warm smaller than the conversation."""
+    forces_cold: hot+warm smaller than the conversation. `engine` "thread" runs every copy later,
+    on the asynchronous CPU copy engine (after `delay_us` each): the GPU's ordering rules on CPU."""
     sizes = {
         "all_hot": (256, 0, 0),
         "forces_warm": (2, 256, 0),
@@ -42,10 +43,14 @@ def tier_config(kind: str, cold_dir, block_size: int = BLOCK_SIZE) -> dict:
         "hot": {"device": "cpu", "capacity_blocks": sizes[0]},
         "warm": {"capacity_blocks": sizes[1]},
         "cold": {"capacity_blocks": sizes[2], "path": str(cold_dir)},
+        "copies": {"engine": engine, **({"delay_us": delay_us} if engine == "thread" else {})},
     }
 
 
 TIER_KINDS = ("all_hot", "forces_warm", "forces_cold")
+# (engine, delay_us): copies at once, and copies held back on the thread engine (issue 16)
+ENGINES = (("auto", 0), ("thread", 300))
+ENGINE_IDS = ("sync", "thread300us")
 
 
 # ---- shared by the issue-5 tests (verified history, threads, atomic steps, deepcopy, close) ----

@@ -275,14 +275,14 @@ def test_moves_larger_than_the_staging_buffer_go_through_it_in_chunks(tmp_path, 
 
     model = tiny_model("llama")
     block_bytes = 2 * 2 * 2 * 4 * 16 * 4
-    monkeypatch.setattr(tiered_kv.store.tier_store, "STAGING_BYTES", 3 * block_bytes)  # 3 blocks per chunk
+    monkeypatch.setattr(tiered_kv.store.building, "STAGING_BYTES", 3 * block_bytes)  # 3 blocks per chunk
     config = tier_config("all_hot", tmp_path)
     config["cold"]["capacity_blocks"] = 64
     bank = tiered_kv.CacheBank(model, config)
     ids = _ids(50, 37)
     bank.attach(ids)
     out = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
-    assert bank.store.staging.shape[0] == 3
+    assert bank.store.transfers.staging["on_demand"].host.shape[0] == 3
     assert bank.offload("cold") == {"hot": 0, "warm": 0, "cold": 10}
     follow_ids = torch.cat([out, _ids(51, 3)], 1)
     assert bank.attach(follow_ids) == out.shape[1] - 1
@@ -337,7 +337,7 @@ def test_blocks_stay_pinned_until_the_last_layers_attention_is_done(tmp_path):
     seen = {}
 
     def after_last_layer(module, args, output):
-        seen["pinned"] = [store.is_pinned(b) for b in seen["bank"].block_table(0)]
+        seen["pinned"] = [store.state.is_pinned(b) for b in seen["bank"].block_table(0)]
 
     handle = model.model.layers[-1].register_forward_hook(after_last_layer)
     try:
@@ -349,7 +349,7 @@ def test_blocks_stay_pinned_until_the_last_layers_attention_is_done(tmp_path):
         assert not any(seen["pinned"])
     finally:
         handle.remove()
-    assert not any(store.is_pinned(b) for b in hooked.block_table(0))  # the forward's end unpinned
+    assert not any(store.state.is_pinned(b) for b in hooked.block_table(0))  # the forward's end unpinned
     k = torch.randn(1, 2, 1, 16)
     for layer in range(model.config.num_hidden_layers):
         keys, _ = unhooked.update(k, k, layer)

@@ -1,5 +1,5 @@
-"""Batched hot<->warm moves (hw/block_copy.py, PlanExecutor._apply_link_batch): byte-identical
-blocks after moves with scattered slots, in batches larger than the staging chunk."""
+"""Batched hot<->warm moves (hw/block_copy.py, through store/copies.py): byte-identical blocks
+after moves with scattered slots, in batches larger than the staging chunk."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 import tiered_kv
 from tiered_kv.blocks import KVLayout
 from tiered_kv.hw.block_copy import BlockCopier, slot_runs
-from tiered_kv.hw.copy_engine import CpuCopyEngine
 from tiered_kv.scheduler import HOT, WARM
 from tiered_kv.tiers import HotTier, WarmTier
 
@@ -40,9 +39,8 @@ def test_staged_copy_on_cpu_tensors_in_chunks(to_device):
         dst, dst_slots, src, src_slots = warm.slots_view(), warm_slots, hot.slots_view(), hot_slots
     expected = {d: src[s].clone() for d, s in zip(dst_slots, src_slots)}
     untouched = {d: dst[d].clone() for d in range(16) if d not in expected}
-    copier = BlockCopier(CpuCopyEngine(), torch.empty((3, *LAYOUT.record_shape())))
-    with copier.copy_engine.ordered():
-        copier.staged(dst, dst_slots, src, src_slots, to_device=to_device)
+    copier = BlockCopier(torch.empty((3, *LAYOUT.record_shape())))
+    copier.staged(dst, dst_slots, src, src_slots, to_device=to_device)
     assert copier.num_chunks == 4
     for d, block in expected.items():
         assert torch.equal(dst[d], block), d
@@ -54,7 +52,7 @@ def test_direct_copy_merges_runs():
     torch.manual_seed(1)
     src = torch.randn(12, *LAYOUT.record_shape())
     dst = torch.zeros_like(src)
-    copier = BlockCopier(CpuCopyEngine())
+    copier = BlockCopier()
     copier.copy(dst, [4, 5, 6, 0, 11], src, [1, 2, 3, 9, 0])
     for d, s in zip([4, 5, 6, 0, 11], [1, 2, 3, 9, 0]):
         assert torch.equal(dst[d], src[s])
@@ -83,7 +81,7 @@ def _blocks(store, block_ids) -> dict[int, torch.Tensor]:
 def _check_moves(store):
     """Scattered demotions and promotions (each batch larger than the 3-block chunk); every block
     keeps its bytes, the counters add up as block by block."""
-    store._executor.block_copier.chunk_blocks = 3
+    _copier(store).chunk_blocks = 3
     store.tiers[HOT].slab.normal_()
     block_ids = store.allocate(16)
     before = _blocks(store, block_ids)
@@ -110,7 +108,12 @@ def _check_moves(store):
     stats = store.stats()["bytes_moved"]
     for direction, blocks in moved.items():
         assert stats[direction] - bytes_before[direction] == blocks * store.layout.block_bytes
-    return store._executor.block_copier
+    return _copier(store)
+
+
+def _copier(store):
+    """The BlockCopier of the store's on-demand moves (store.transfers' on-demand staging set)."""
+    return store.transfers.staging["on_demand"].copier
 
 
 def test_store_moves_keep_every_block_on_cpu():
@@ -126,7 +129,7 @@ def test_store_moves_through_the_staged_path_on_cpu(monkeypatch):
     """The staged path (CUDA's) through the store's executor, with a CPU staging of 3 blocks."""
     store = _store("cpu")
     try:
-        copier = store._executor.block_copier
+        copier = _copier(store)
         copier.staging = torch.empty((3, *store.layout.record_shape()))
         hot_ptr = store.tiers[HOT].slab.data_ptr()
 
@@ -141,18 +144,23 @@ def test_store_moves_through_the_staged_path_on_cpu(monkeypatch):
         store.close()
 
 
-def test_a_stale_move_in_a_run_fails_after_the_moves_before_it():
-    """Batching keeps move-by-move failure semantics: moves before the stale one are made."""
-    from tiered_kv.scheduler import Move, Plan
+def test_a_move_whose_block_is_not_where_the_plan_says_is_left_out_of_its_batch():
+    """A stale or repeated move does not fail the others: prepare leaves it out, the rest move."""
+    from tiered_kv.metrics.registry import ON_DEMAND
+    from tiered_kv.scheduler import Move
 
     store = _store("cpu")
     try:
         block_ids = store.allocate(4)
-        plan = Plan(moves=[Move(block_ids[0], HOT, WARM), Move(block_ids[1], HOT, WARM), Move(block_ids[1], HOT, WARM)])
-        with store.lock, pytest.raises(RuntimeError, match="stale"):
-            store._executor.apply(plan)
+        moves = [Move(block_ids[0], HOT, WARM), Move(block_ids[1], HOT, WARM), Move(block_ids[1], HOT, WARM),
+                 Move(block_ids[2], WARM, HOT)]  # block 2 is in hot, not warm: stale
+        with store.lock:
+            batch = store.transfers.prepare(moves, ON_DEMAND)
+        assert [t.block_id for t in batch.transfers] == block_ids[:2]
+        store.demand.run_batch(batch)
         tiers, _ = store.placements(block_ids)
         assert tiers.tolist() == [WARM, WARM, HOT, HOT]
+        assert store.check_consistency() == []
     finally:
         store.close()
 

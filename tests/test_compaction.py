@@ -236,21 +236,30 @@ def test_a_repair_that_takes_too_many_moves_is_given_up_until_the_pool_has_more_
     other = store.allocate(3)
     store.release([chat[1]])
     chat[1:2] = store.allocate(1, follow=[(1, other[-1])])  # slot 6: chat 1 is scattered
-    store.begin_step(1, set(chat), [chat])
-    store.end_step(1)
-    store.begin_step(2, set(other), [other])
-    store.end_step(2)
+    store.access_log.record_step(1, set(chat), [chat])  # two chats' steps, as their leases record them
+    store.access_log.record_step(2, set(other), [other])
     assert slots_of(store, chat) == [0, 6, 2] and store.stats()["contiguity_min"] == pytest.approx(1 / 3)
     budget = (2 + MAX_OPEN_DEPTH) * 3
     num_moves = 0
     while num_moves <= budget:  # the mover would carry each plan out; here nothing moves
-        repair = store.plan_compaction(12)
+        repair = store_compaction_plan(store, 12)
         assert repair is not None and {m.block_id for m in repair.moves} <= set(chat)
         num_moves += len(repair.moves)
-    assert store.plan_compaction(12) is None and store.compaction_pending() is False  # given up
+    assert store_compaction_plan(store, 12) is None and compaction_pending(store) is False  # given up
     store.release([other[-1]])  # more room than when it was given up: another chance
-    assert store.plan_compaction(12) is not None
+    assert store_compaction_plan(store, 12) is not None
     store.close()
+
+
+def store_compaction_plan(store, max_moves: int):
+    """The store's compaction plan now (the mover asks the same, under the store's lock)."""
+    with store.lock:
+        return store.compaction.plan(max_moves)
+
+
+def compaction_pending(store) -> bool:
+    with store.lock:
+        return store.compaction.pending()
 
 
 # --- a store and its mover ---------------------------------------------------------------------------
@@ -282,7 +291,7 @@ def test_interleaved_chats_fragment_without_the_mover():
     assert stats["contiguity_min"] < 1.0  # what the mover has to repair in the next test
     assert 0.0 <= stats["fragmentation"] <= 1.0
     assert min(bank.stats()["contiguity"] for bank in banks) == stats["contiguity_min"]
-    repair = store.plan_compaction(64)  # no mover carries it out, but it can be planned
+    repair = store_compaction_plan(store, 64)  # no mover carries it out, but it can be planned
     assert repair is not None and repair.moves
     assert all(m.src_tier == m.dst_tier == HOT and not store.pools[HOT].is_used(m.dst_slot) for m in repair.moves)
     store.close()
@@ -302,5 +311,5 @@ def test_the_mover_lays_interleaved_chats_out_contiguously_and_generation_stays_
     for bank in banks:  # each chat's blocks in consecutive slots, in token order
         slots = [store.index.get(b).slot for b in bank.block_table()]
         assert slots == list(range(slots[0], slots[0] + len(slots)))
-    assert store._executor.num_relocations > 0
+    assert store.metrics.relocations.value() > 0
     store.close()

@@ -164,6 +164,7 @@ def test_to_dict_exact():
         "metrics": {"enabled": True},
         "remote": {"url": "", "cluster": False, "username": "", "password_env": "", "key_prefix": "tkv:", "ttl": 0,
                    "write": "through", "timeout_ms": 500, "required": False},
+        "copies": {"engine": "auto", "delay_us": 0},
     }
 
 
@@ -300,3 +301,22 @@ def test_bad_source_type(source):
 def test_bad_dict_values(data, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
         load_config(data)
+
+
+@pytest.mark.parametrize("copies, message", [
+    ({"engine": "cuda"}, "config key 'copies.engine': got 'cuda'; allowed: auto | sync | thread"),
+    ({"engine": "thread", "delay_us": -3}, "copies.delay_us"),
+    ({"engine": "thread", "delay_us": 2.5}, "copies.delay_us"),
+    ({"engine": "thread", "delay_us": 2_000_000}, "from 0 to 1,000,000"),
+    ({"delay_us": 100}, "a delay only with engine 'thread'"),
+    ({"engines": "thread"}, "config key 'copies.engines' is unknown"),
+])
+def test_bad_copies_settings_name_their_key(copies, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config({"copies": copies})
+
+
+def test_copies_settings_load_and_round_trip():
+    cfg = load_config({"copies": {"engine": "thread", "delay_us": 300}})
+    assert (cfg.copies.engine, cfg.copies.delay_us) == ("thread", 300)
+    assert load_config(cfg.to_dict()) == cfg

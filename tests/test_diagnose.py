@@ -108,7 +108,7 @@ def test_weights_are_the_parameter_bytes_with_a_tied_tensor_once(tmp_path):
 
 @pytest.mark.parametrize("background", (True, False))
 def test_staging_and_stream_buffers_are_their_tensors_bytes(background, model, tmp_path, monkeypatch):
-    from tiered_kv.bank import layer_reads
+    from tiered_kv.hooks import reads as layer_reads
     made = {}  # buffer index -> the flat tensor the bank holds for it now
     original_get = layer_reads.StreamBuffers.get
 

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 import tiered_kv
-from helpers import TIER_KINDS, VOCAB, tier_config, tiny_model
+from helpers import ENGINE_IDS, ENGINES, TIER_KINDS, VOCAB, tier_config, tiny_model
 
 ARCHS = ("llama", "qwen2", "mistral")
 
@@ -18,13 +18,16 @@ def _turn_ids(seed: int, length: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=generator)
 
 
+@pytest.mark.parametrize("engine, delay_us", ENGINES, ids=ENGINE_IDS)
 @pytest.mark.parametrize("source", ("model", "config"))
 @pytest.mark.parametrize("kind", TIER_KINDS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_multiturn_matches_dynamic_cache(arch, kind, source, tmp_path):
-    """A bank built from the model (verified ids) and one from its config alone (private reuse)."""
+def test_greedy_multiturn_matches_dynamic_cache(arch, kind, source, engine, delay_us, tmp_path):
+    """A bank built from the model (verified ids) and one from its config alone (private reuse);
+    with copies at once and with every copy held back on the thread engine."""
     model = tiny_model(arch)
-    bank = tiered_kv.CacheBank(model if source == "model" else model.config, tier_config(kind, tmp_path))
+    bank = tiered_kv.CacheBank(model if source == "model" else model.config,
+                               tier_config(kind, tmp_path, engine=engine, delay_us=delay_us))
     dynamic = DynamicCache(config=model.config)
     ids_bank = ids_dyn = _turn_ids(0, 13)
     seen_tiers = set()
@@ -61,12 +64,13 @@ def test_generate_without_attach_reuses_cache_like_dynamic(kind, tmp_path):
     bank.close()
 
 
+@pytest.mark.parametrize("engine, delay_us", ENGINES, ids=ENGINE_IDS)
 @pytest.mark.parametrize("kind", TIER_KINDS)
 @pytest.mark.parametrize("arch", ("llama", "qwen2"))
-def test_beam_search_matches_dynamic_cache(arch, kind, tmp_path):
+def test_beam_search_matches_dynamic_cache(arch, kind, engine, delay_us, tmp_path):
     model = tiny_model(arch)
     ids = _turn_ids(7, 11)
-    config = tier_config(kind, tmp_path)
+    config = tier_config(kind, tmp_path, engine=engine, delay_us=delay_us)
     if kind == "forces_cold":  # two beams need room for both rows' tails
         config["cold"]["capacity_blocks"] = 64
     bank = tiered_kv.CacheBank(model, config)
@@ -77,10 +81,11 @@ def test_beam_search_matches_dynamic_cache(arch, kind, tmp_path):
     bank.close()
 
 
+@pytest.mark.parametrize("engine, delay_us", ENGINES, ids=ENGINE_IDS)
 @pytest.mark.parametrize("kind", TIER_KINDS)
-def test_batch_with_left_padding_matches_dynamic_cache(kind, tmp_path):
+def test_batch_with_left_padding_matches_dynamic_cache(kind, engine, delay_us, tmp_path):
     model = tiny_model("llama")
-    config = tier_config(kind, tmp_path)
+    config = tier_config(kind, tmp_path, engine=engine, delay_us=delay_us)
     bank = tiered_kv.CacheBank(model, config)
     a, b = _turn_ids(11, 12), _turn_ids(12, 7)
     ids = torch.cat([a, torch.cat([torch.zeros(1, 5, dtype=torch.long), b], 1)], 0)
@@ -94,11 +99,13 @@ def test_batch_with_left_padding_matches_dynamic_cache(kind, tmp_path):
     bank.close()
 
 
-def test_shared_store_serves_two_chats_interleaved(tmp_path):
+@pytest.mark.parametrize("engine, delay_us", ENGINES + (("thread", 100), ("thread", 500)),
+                         ids=ENGINE_IDS + ("thread100us", "thread500us"))
+def test_shared_store_serves_two_chats_interleaved(engine, delay_us, tmp_path):
     """Two banks on one small store: each chat's idle history is pushed down by the other and
     comes back for its next turn; tokens still match DynamicCache."""
     model = tiny_model("llama")
-    store = tiered_kv.TierStore(tier_config("forces_cold", tmp_path))
+    store = tiered_kv.TierStore(tier_config("forces_cold", tmp_path, engine=engine, delay_us=delay_us))
     banks = [tiered_kv.CacheBank(model, store=store) for _ in range(2)]
     dyns = [DynamicCache(config=model.config) for _ in range(2)]
     ids = [_turn_ids(20, 9), _turn_ids(21, 14)]

@@ -48,7 +48,7 @@ def _logits_per_step(model, cache, ids, steps: int) -> list[torch.Tensor]:
 @pytest.fixture
 def streaming(request, monkeypatch):
     """Force the stream worker on or off (on CPU it runs only when a core is spare)."""
-    from tiered_kv.bank import layer_reads
+    from tiered_kv.hooks import reads as layer_reads
     monkeypatch.setattr(layer_reads, "CPU_STREAMING", request.param)
     return request.param
 

@@ -9,7 +9,7 @@ import torch
 import tiered_kv
 from helpers import tier_config, tiny_model
 from tiered_kv.hw.block_io import PosixBlockIO, kvikio_usable
-from tiered_kv.hw.copy_engine import CpuCopyEngine, CudaCopyEngine, make_copy_engine
+from tiered_kv.hw.copy_engine import CudaCopyEngine, SyncCopyEngine, ThreadCopyEngine, make_copy_engine
 from tiered_kv.hw.devices import resolve_device, resolve_pinned
 from tiered_kv.hw.link_monitor import MeasuredLinkMonitor, make_link_monitor
 
@@ -37,7 +37,11 @@ def test_a_cuda_device_that_is_not_there_is_a_config_error():
 def test_copy_engine_and_link_monitor_are_picked_for_the_device():
     device = resolve_device("auto")
     engine = make_copy_engine(device)
-    assert isinstance(engine, CudaCopyEngine if HAS_CUDA else CpuCopyEngine)
+    assert isinstance(engine, CudaCopyEngine if HAS_CUDA else SyncCopyEngine)
+    assert isinstance(make_copy_engine(device, "sync"), SyncCopyEngine)
+    threaded = make_copy_engine(device, "thread", 250)
+    assert isinstance(threaded, ThreadCopyEngine) and threaded.delay_s == 0.00025
+    threaded.close()
     monitor = make_link_monitor(device)
     assert isinstance(monitor, MeasuredLinkMonitor)  # NvmlLinkMonitor is a subclass
     assert 0.0 <= monitor.saturation() <= 1.0
@@ -48,18 +52,63 @@ def test_copy_engine_and_link_monitor_are_picked_for_the_device():
     assert measured.saturation() == pytest.approx(0.5, rel=0.05)
 
 
-def test_copy_engine_copies_exactly():
+ENGINES = ["sync", "thread"] + (["auto"] if HAS_CUDA else [])
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_every_copy_engine_copies_exactly_and_its_event_passes_after_the_copy(kind):
     device = resolve_device("auto")
-    engine = make_copy_engine(device)
-    src = torch.randn(3, 5, device=device)
-    host = torch.empty(3, 5, pin_memory=HAS_CUDA)
-    engine.copy(host, src)
-    engine.before_host_read()
-    assert torch.equal(host, src.cpu())
-    back = torch.empty(3, 5, device=device)
-    engine.copy(back, host)
-    engine.before_device_use()
-    assert torch.equal(back, src)
+    engine = make_copy_engine(device, kind)
+    try:
+        src = torch.randn(3, 5, device=device)
+        host = torch.empty(3, 5, pin_memory=HAS_CUDA)
+        event = engine.submit(lambda: host.copy_(src, non_blocking=True))
+        event.wait()
+        assert event.done() and event.error is None
+        assert torch.equal(host, src.cpu())
+        back = torch.empty(3, 5, device=device)
+        engine.submit(lambda: back.copy_(host, non_blocking=True)).wait()
+        assert torch.equal(back, src)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_an_error_in_a_unit_is_kept_on_its_event_and_never_raised_by_submit(kind):
+    engine = make_copy_engine(resolve_device("auto"), kind)
+    try:
+        def fails():
+            raise MemoryError("injected: out of memory")
+
+        event = engine.submit(fails)
+        event.wait()
+        assert isinstance(event.error, MemoryError)
+        later = engine.submit(lambda: None)  # the engine goes on
+        later.wait()
+        assert later.error is None
+    finally:
+        engine.close()
+
+
+def test_the_thread_engine_runs_units_later_and_in_order_like_a_stream():
+    """Its events are not passed until the unit ran, whatever the submitting thread does; units
+    run in submission order; close() runs what is queued, then stops its thread."""
+    import threading
+
+    engine = ThreadCopyEngine(delay_us=200)
+    gate, order = threading.Event(), []
+    first = engine.submit(lambda: (gate.wait(10), order.append(1)))
+    second = engine.submit(lambda: order.append(2))
+    assert not first.done() and not second.done()
+    gate.set()
+    second.wait()
+    assert first.done() and order == [1, 2]
+    third = engine.submit(lambda: order.append(3))
+    engine.close()
+    assert third.done() and order == [1, 2, 3]
+    assert not engine._thread.is_alive()
+    refused = engine.submit(lambda: order.append(4))
+    assert refused.done() and isinstance(refused.error, RuntimeError) and order == [1, 2, 3]
 
 
 def test_cold_backend_auto_is_posix_without_cuda(tmp_path):

@@ -19,6 +19,7 @@ from tiered_kv.cli import main
 from tiered_kv.hw import block_io
 from tiered_kv.hw.block_io import ColdWriteError
 from tiered_kv.scheduler import COLD, HOT
+from tiered_kv.store import StepRequest
 from tiered_kv.tiers import ColdTier
 from tiered_kv.tiers import cold_format as fmt
 from tiered_kv.tiers.cold_files import open_cold_directory
@@ -125,13 +126,14 @@ def test_a_corrupt_cold_record_read_layer_by_layer_warns_once_naming_the_block(m
     store = make_store(1, 1, 2)
     block_id = cold_block(store, 1, key=b"k0")
     flip_cold_byte(store, block_id)
-    runs = store.map_tokens([block_id], [1])
+    lease = store.open_step(StepRequest(7, [[block_id]], {block_id}, LAYOUT.block_size, 1))  # a full block: no copy
     with caplog.at_level(logging.WARNING, logger="tiered_kv"):
         for layer in range(LAYOUT.num_layers):  # the hooks read every layer: one event, one warning
             with pytest.raises(CorruptBlockError):
-                store.read_layer(layer, runs, 1)
+                lease.read_layer(layer, 0)
+    lease.abort()
     (record,) = warnings_of(caplog)
-    assert record.name == "tiered_kv.store.executor"
+    assert record.name == "tiered_kv.store.state"
     assert f"block {block_id} (cold slot" in record.getMessage() and "failed its checksum" in record.getMessage()
     assert store.tiers[COLD].file_path in record.getMessage()
 
@@ -169,7 +171,7 @@ def test_cached_blocks_dropped_by_a_full_cache_warn_with_a_count_then_go_quiet(m
     with caplog.at_level(logging.WARNING, logger="tiered_kv"):
         store.allocate(2)  # one plan drops both: one warning
     (warning,) = warnings_of(caplog)
-    assert warning.name == "tiered_kv.store.executor"
+    assert warning.name == "tiered_kv.store.state"
     assert "dropped 2 cached block(s)" in warning.getMessage() and "recomputes them" in warning.getMessage()
 
 
@@ -238,17 +240,21 @@ def test_enospc_moving_published_blocks_to_cold_at_close_warns_once_with_the_pat
     assert "ENOSPC" in message and cold_path in message and "lost when this store closes" in message
 
 
-def test_enospc_on_a_demand_move_raises_naming_the_file_and_gives_the_slot_back(make_store, caplog, monkeypatch):
-    """The caller gets the error (so nothing is logged as well); the cold slot the move took comes back."""
+def test_enospc_on_a_demand_move_costs_the_move_warns_naming_the_file_and_gives_the_slot_back(
+        make_store, caplog, monkeypatch):
+    """A failed copy costs the move, never the caller's operation: the block stays where it was, the
+    cold slot the move took comes back, one warning names ENOSPC and the file."""
     store = make_store(4, 0, 4)
     (block_id,) = store.allocate(1)
     monkeypatch.setattr(block_io.os, "pwritev", full_disk)
     with caplog.at_level(logging.WARNING, logger="tiered_kv"):
-        with pytest.raises(ColdWriteError) as caught:
-            store.demote([block_id], COLD)
-    assert caught.value.errno == errno.ENOSPC and store.tiers[COLD].file_path in str(caught.value)
-    assert warnings_of(caplog) == []
-    assert store.index.get(block_id).tier == HOT and store.free_slots()[COLD] == 4
+        assert store.demote([block_id], COLD) == []
+    (record,) = warnings_of(caplog)
+    message = record.getMessage()
+    assert "ENOSPC" in message and store.tiers[COLD].file_path in message and "they stay in hot" in message
+    assert store.index.get(block_id).tier == HOT and store.state.free_slots()[COLD] == 4
+    assert store.check_consistency() == []
+    assert store.stats()["metrics"]["failed_moves_total"] == {"mode=on_demand,error=ENOSPC": 1}
 
 
 def test_enospc_writing_record_headers_warns_once_per_batch(tmp_path, caplog, monkeypatch):
@@ -442,7 +448,7 @@ def test_enospc_in_a_background_move_to_cold_warns_once_then_goes_quiet(make_sto
         while time.monotonic() < deadline and \
                 sum("background move" in r.getMessage() for r in caplog.records) < 3:
             time.sleep(0.01)
-        store._mover.stop()
+        store.mover.stop()
     moves = [r for r in caplog.records if "background move" in r.getMessage()]
     assert len(moves) >= 3 and [r.levelno for r in moves[:3]] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
     message = moves[0].getMessage()
@@ -470,5 +476,5 @@ def test_a_full_disk_makes_the_mover_back_off_then_retry(make_store, monkeypatch
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and COLD not in [store.index.get(b).tier for b in range(3)]:
         time.sleep(0.02)
-    store._mover.stop()
+    store.mover.stop()
     assert COLD in [store.index.get(b).tier for b in range(3)]

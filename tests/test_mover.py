@@ -13,6 +13,7 @@ import torch
 
 import tiered_kv
 from helpers import greedy, rand_ids, reference, tiny_model
+from tiered_kv.metrics.registry import BACKGROUND
 from tiered_kv.scheduler import COLD, HOT, WARM
 
 BLOCK = 4
@@ -30,18 +31,19 @@ def tiers_of(bank) -> dict:
 
 
 class Gate:
-    """Holds the mover between planning a batch and copying it, until opened."""
+    """Holds the mover's batches between prepare and their copy (at store.transfers.launch), until opened."""
 
-    def __init__(self, mover):
+    def __init__(self, store):
         self.entered, self.opened = threading.Event(), threading.Event()
-        copy = mover._copy
+        launch = store.transfers.launch
 
-        def gated(flights):
-            self.entered.set()
-            assert self.opened.wait(WAIT_S), "the test never opened the gate"
-            copy(flights)
+        def gated(batch):
+            if batch.mode == BACKGROUND:
+                self.entered.set()
+                assert self.opened.wait(WAIT_S), "the test never opened the gate"
+            return launch(batch)
 
-        mover._copy = gated
+        store.transfers.launch = gated
 
     def open(self):
         self.opened.set()
@@ -68,7 +70,7 @@ def test_prefetch_returns_at_once_and_the_mover_brings_the_chat_up(tmp_path):
     out = greedy(model, ids, bank, 4)
     bank.offload("cold")
     assert tiers_of(bank) == {"hot": 0, "warm": 0, "cold": 9}
-    gate = Gate(bank.store._mover)
+    gate = Gate(bank.store)
     bank.prefetch()  # would hang here if prefetch waited for the (held) copy
     assert gate.entered.wait(WAIT_S)
     assert tiers_of(bank)["cold"] == 9  # nothing landed while the copy is held
@@ -91,7 +93,7 @@ def test_a_forward_never_waits_for_a_background_move_of_blocks_it_does_not_read(
     idle = tiered_kv.CacheBank(model, store=store)
     greedy(model, rand_ids(3, 40), idle, 2)
     idle.offload("cold")
-    gate = Gate(store._mover)
+    gate = Gate(store)
     idle.prefetch()
     assert gate.entered.wait(WAIT_S)  # the mover now holds a batch of the idle chat's blocks in flight
     busy = tiered_kv.CacheBank(model, store=store)
@@ -113,7 +115,7 @@ def test_a_turn_that_starts_during_its_prefetch_waits_for_the_blocks_in_flight(t
     ids = rand_ids(5, 30)
     out = greedy(model, ids, bank, 4)
     bank.offload("cold")
-    gate = Gate(bank.store._mover)
+    gate = Gate(bank.store)
     bank.prefetch()
     assert gate.entered.wait(WAIT_S)
     follow = torch.cat([out, rand_ids(6, 3)], 1)
@@ -143,7 +145,7 @@ def test_a_step_that_starts_using_a_block_in_flight_cancels_that_move(tmp_path):
     bank = tiered_kv.CacheBank(model, store=store)
     ids = rand_ids(7, 30)
     out = greedy(model, ids, bank, 2)  # 8 blocks
-    gate = Gate(store._mover)
+    gate = Gate(store)
     greedy(model, rand_ids(8, 3), other, 8)  # 8 steps of another chat: the first one's ALI falls to 0.2
     assert gate.entered.wait(WAIT_S)  # its blocks are in flight to a lower tier
     follow = torch.cat([out, rand_ids(9, 2)], 1)

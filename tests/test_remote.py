@@ -304,3 +304,39 @@ def test_decode_never_touches_the_network(tmp_path, monkeypatch):
     assert ("get_many", True, "attach") in calls  # the lookup ran at the turn's start
     assert not [c for c in calls if c[2] == "generate" and c[1]]  # nothing on the caller during decode
     assert any(name == "set_many" and not on_main for name, on_main, _ in calls)  # writes went behind
+
+
+# ---- issue 16: the remote paths go through the transfer engine ---------------------------------------
+def _thread_engine(cfg: dict) -> dict:
+    return {**cfg, "copies": {"engine": "thread", "delay_us": 300}}
+
+
+@pytest.mark.parametrize("way", ("before", "in_unit"))
+def test_remote_fetch_and_write_copies_that_fail_cost_reuse_never_tokens(way, tmp_path):
+    """Copies between the tiers and host memory for the remote tier (the writer's reads of blocks,
+    a fetch's writes into new blocks) fail: nothing wrong reaches the server or a chat; with the
+    thread engine holding every copy back, what the server gets is the block's landed bytes."""
+    from faults import Faults, remote
+
+    model = tiny_model("llama")
+    ids = rand_ids(11, 41)
+    with RedisServer(password=PASSWORD) as server:
+        first = CacheBank(model, _thread_engine(config(tmp_path / "a", server.url)))
+        with Faults(first.store, remote, way, every=2, skip=3) as writer_faults:  # after 3, every other read-out fails
+            out = greedy(model, ids, first, NEW_TOKENS)
+            first.store.remote.flush()
+        assert writer_faults.failed > 0
+        assert first.store.check_consistency() == []
+        first.close()
+        second = CacheBank(model, _thread_engine(config(tmp_path / "b", server.url)))
+        with Faults(second.store, remote, way, limit=1) as fetch_faults:  # the fetch's write-in fails once
+            reused_during_fault = second.attach(out)
+        assert fetch_faults.failed == 1 and reused_during_fault == 0
+        assert second.store.check_consistency() == []
+        assert torch.equal(greedy(model, out, second, NEW_TOKENS), reference(model, out, NEW_TOKENS))
+        third = CacheBank(model, _thread_engine(config(tmp_path / "c", server.url)))
+        reused = third.attach(out)  # whatever the first store wrote is the blocks' true bytes
+        assert reused > 0
+        assert torch.equal(greedy(model, out, third, NEW_TOKENS), reference(model, out, NEW_TOKENS))
+        second.close()
+        third.close()

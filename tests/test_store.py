@@ -1,9 +1,13 @@
 """TierStore: placement, data through every move, capacity, caching, corruption and stats, on CPU."""
+import numpy as np
 import pytest
 import torch
 
 from tiered_kv import CapacityError, CorruptBlockError, LayoutError, TierStore
 from tiered_kv.blocks import KVLayout
+from tiered_kv.scheduler import Move
+from tiered_kv.store import StepRequest
+from tiered_kv.store.token_map import raise_if_corrupt
 from tiered_kv.scheduler import COLD, HOT, WARM
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype_name="float32")
@@ -70,6 +74,19 @@ def flip_cold_byte(store, block_id, byte_in_record=7):
         f.write(bytes([old[0] ^ 0xFF]))
 
 
+def map_tokens(store, block_ids, offsets):
+    """TierRuns for arbitrary tokens given as (block, offset in block), through the store's
+    mapper (what a step's lease maps once, at its start)."""
+    tiers, slots = store.placements(block_ids)
+    raise_if_corrupt(tiers, np.asarray(block_ids, dtype=np.int64), "blocks")
+    return store.mapper.group_by_tier(tiers, slots, np.asarray(offsets, dtype=np.int64))
+
+
+def lease_on(store, block_id, owner=999):
+    """A step's lease over one block of 4 tokens: 3 in it already, the 4th is the new one."""
+    return store.open_step(StepRequest(owner, [[block_id]], {block_id}, LAYOUT.block_size - 1, 1))
+
+
 def check_pools_match_index(store):
     for tier in (HOT, WARM, COLD):
         slots = sorted(e.slot for _, e in store.index.items() if e.tier == tier)
@@ -82,7 +99,7 @@ def test_bind_preallocates_every_tier(make_store, tmp_path):
     store = make_store(2, 3, 4)
     assert store.is_bound
     assert store.capacities == [2, 3, 4]
-    assert store.free_slots() == [2, 3, 4]
+    assert store.state.free_slots() == [2, 3, 4]
     assert store.total_capacity_blocks == 9
     assert store.tiers[HOT].slab.shape == (2, 2, 2, 8, 4)
     assert store.tiers[WARM].slab.shape == (3, 2, 2, 2, 4, 4)
@@ -338,21 +355,21 @@ def test_without_warm_hot_and_cold_swap_directly(make_store):
 def test_tokens_written_per_layer_survive_moves(make_store):
     store = make_store(1, 1, 1)
     (b0,) = store.allocate(1)
-    runs = store.map_tokens([b0] * 4, [0, 1, 2, 3])
+    runs = map_tokens(store, [b0] * 4, [0, 1, 2, 3])
     kv = [torch.randn(2, 2, 4, 4, generator=torch.Generator().manual_seed(layer)) for layer in (0, 1)]
     for layer in (0, 1):
-        store.write_layer(layer, runs, kv[layer])
+        store.mapper.write_layer(layer, runs, kv[layer])
     allocate_one_by_one(store, 2)
     assert tiers_of(store, [b0]) == [COLD]
-    cold_runs = store.map_tokens([b0] * 4, [0, 1, 2, 3])
+    cold_runs = map_tokens(store, [b0] * 4, [0, 1, 2, 3])
     for layer in (0, 1):
-        assert torch.equal(store.read_layer(layer, cold_runs, 4), kv[layer])
+        assert torch.equal(store.mapper.read_layer(layer, cold_runs, 4), kv[layer])
     store.release([1])  # frees warm, so hot's block 2 can step down for block 0
     assert store.promote([b0]) == []
     assert tiers_of(store, [b0]) == [HOT]
-    hot_runs = store.map_tokens([b0] * 4, [0, 1, 2, 3])
+    hot_runs = map_tokens(store, [b0] * 4, [0, 1, 2, 3])
     for layer in (0, 1):
-        assert torch.equal(store.read_layer(layer, hot_runs, 4), kv[layer])
+        assert torch.equal(store.mapper.read_layer(layer, hot_runs, 4), kv[layer])
 
 
 def test_map_tokens_across_tiers_round_trips(make_store):
@@ -360,13 +377,13 @@ def test_map_tokens_across_tiers_round_trips(make_store):
     assert allocate_one_by_one(store, 3) == [0, 1, 2]
     assert tiers_of(store, [0, 1, 2]) == [COLD, WARM, HOT]
     block_ids, offsets = [0, 1, 2, 0, 2], [0, 1, 2, 3, 0]
-    runs = store.map_tokens(block_ids, offsets)
+    runs = map_tokens(store, block_ids, offsets)
     assert [run.tier for run in runs] == [HOT, WARM, COLD]
     assert [run.positions.tolist() for run in runs] == [[2, 4], [1], [0, 3]]
     kv = torch.randn(2, 2, 5, 4, generator=torch.Generator().manual_seed(5))
-    store.write_layer(1, runs, kv)
-    assert torch.equal(store.read_layer(1, runs, 5), kv)
-    assert torch.equal(store.read_layer(0, runs, 5), torch.zeros(2, 2, 5, 4))
+    store.mapper.write_layer(1, runs, kv)
+    assert torch.equal(store.mapper.read_layer(1, runs, 5), kv)
+    assert torch.equal(store.mapper.read_layer(0, runs, 5), torch.zeros(2, 2, 5, 4))
     # each token landed in its block at its offset
     for position, (block, offset) in enumerate(zip(block_ids, offsets)):
         assert torch.equal(read_block(store, block)[0, 1, :, :, offset, :], kv[:, :, position, :])
@@ -375,10 +392,10 @@ def test_map_tokens_across_tiers_round_trips(make_store):
 def test_single_hot_run_of_consecutive_slots_is_read_without_copy(make_store):
     store = make_store(2, 1, 1)
     assert store.allocate(2) == [0, 1]
-    runs = store.map_tokens([0] * 4 + [1] * 4, [0, 1, 2, 3] * 2)
+    runs = map_tokens(store, [0] * 4 + [1] * 4, [0, 1, 2, 3] * 2)
     assert len(runs) == 1 and runs[0].tier == HOT and runs[0].positions is None
     assert runs[0].index == slice(0, 8)
-    out = store.read_layer(0, runs, 8)
+    out = store.mapper.read_layer(0, runs, 8)
     assert out.untyped_storage().data_ptr() == store.tiers[HOT].slab.untyped_storage().data_ptr()
 
 
@@ -387,7 +404,7 @@ def test_copy_block_within_hot_copies_content(make_store):
     (source,) = store.allocate(1)
     data = block_data(7)
     write_block(store, source, data)
-    copy = store.copy_block(source)
+    copy = store.allocation.copy_block(source)
     assert copy == 1
     assert tiers_of(store, [source, copy]) == [HOT, HOT]
     assert torch.equal(read_block(store, copy), data)
@@ -404,7 +421,7 @@ def test_copy_block_from_cold_into_hot_copies_content(make_store):
     allocate_one_by_one(store, 2)
     assert tiers_of(store, [source]) == [COLD]
     store.release([1, 2])
-    copy = store.copy_block(source)
+    copy = store.allocation.copy_block(source)
     assert tiers_of(store, [source, copy]) == [COLD, HOT]
     assert torch.equal(read_block(store, copy), data)
     assert store.stats()["bytes_moved"]["cold->hot"] == BLOCK_BYTES
@@ -424,7 +441,7 @@ def test_corrupt_cold_block_found_by_promote_is_never_served(make_store):
     assert store.index.lookup(b"h0") is None
     assert store.index.get(0).key is None
     with pytest.raises(CorruptBlockError, match=r"blocks \[0\] failed their checksum"):
-        store.map_tokens([2, 0], [0, 0])
+        map_tokens(store, [2, 0], [0, 0])
     # the moves that made room went through; the corrupt block gave its cold slot back and
     # holds no tier (-1) until its bank releases it
     assert tiers_of(store, [0, 1, 2]) == [-1, COLD, WARM]
@@ -457,9 +474,9 @@ def test_corrupt_block_read_through_map_tokens_raises(make_store):
     allocate_one_by_one(store, 3)
     write_block(store, 0, block_data(3))
     flip_cold_byte(store, 0)
-    runs = store.map_tokens([0], [1])
+    runs = map_tokens(store, [0], [1])
     with pytest.raises(CorruptBlockError, match=r"slot 0 layer 0"):
-        store.read_layer(0, runs, 1)
+        store.mapper.read_layer(0, runs, 1)
 
 
 # --- stats -------------------------------------------------------------------------------------
@@ -467,12 +484,13 @@ def test_corrupt_block_read_through_map_tokens_raises(make_store):
 def test_stats_report_every_tier(make_store):
     store = make_store(2, 3, 4)
     store.allocate(4)
-    store.count_hits({HOT: 2, WARM: 1})
+    store.metrics.hits.inc(("hot",), 2)
+    store.metrics.hits.inc(("warm",), 1)
     stats = store.stats()
     assert set(stats) == {"tiers", "hits", "misses", "bytes_moved", "link_saturation",  # today's keys, and
                           "hit_rate", "turn_blocks", "moves", "bytes_on_demand", "bytes_background",
                           "critical_path", "scheduler", "fragmentation", "contiguity", "contiguity_min",
-                          "block_size", "metrics", "remote"}
+                          "block_size", "metrics", "remote", "copies"}
     assert stats["block_size"] == {"tokens": store.config.block_size, "auto": False}
     assert stats["tiers"]["hot"] == {"used_blocks": 2, "capacity_blocks": 2, "used_bytes": 1024,
                                      "capacity_bytes": 1024, "device": "cpu"}
@@ -507,8 +525,8 @@ def test_a_corrupt_block_a_running_step_pins_keeps_its_slot_until_the_step_ends(
     allocate_one_by_one(store, 3)
     write_block(store, 0, block_data(1))
     cold_slot = store.index.get(0).slot
-    runs = store.map_tokens([0], [1])
-    store.begin_step(owner=7, block_ids={0})
+    lease = lease_on(store, 0)
+    assert lease.rows[0].tiers.tolist() == [COLD]
     flip_cold_byte(store, 0)
     assert store.verify([0]) == [0]  # e.g. another chat's attach checked the shared block
     assert store.index.get(0).is_corrupt
@@ -516,22 +534,25 @@ def test_a_corrupt_block_a_running_step_pins_keeps_its_slot_until_the_step_ends(
     new_block = store.allocate(1)[0]
     assert store.index.get(new_block).slot != cold_slot or store.index.get(new_block).tier != COLD
     with pytest.raises(CorruptBlockError, match=r"slot 0 layer 0"):
-        store.read_layer(0, runs, 1)
-    store.end_step(owner=7)
+        lease.read_layer(0, 0)
+    lease.abort()
     assert not store.pools[COLD].is_used(cold_slot)
+    assert store.check_consistency() == []
 
 
 def test_read_failure_marks_the_block_corrupt(make_store):
     store = make_store(1, 1, 1)
     allocate_one_by_one(store, 3)
     write_block(store, 0, block_data(3))
-    store.publish(0, b"k0")
+    lease = lease_on(store, 0)
+    store.publish(0, b"k0")  # (after the lease opened: a published partial tail would be copied on write)
     flip_cold_byte(store, 0)
-    runs = store.map_tokens([0], [1])
     with pytest.raises(CorruptBlockError) as caught:
-        store.read_layer(0, runs, 1)
+        lease.read_layer(0, 0)
     assert caught.value.block_id == 0
     assert store.index.get(0).is_corrupt and store.index.lookup(b"k0") is None
+    lease.abort()
+    assert store.check_consistency() == []
 
 
 def test_undo_moves_puts_blocks_back_where_they_were(make_store):
@@ -539,16 +560,37 @@ def test_undo_moves_puts_blocks_back_where_they_were(make_store):
     data = block_data(5)
     (b0,) = store.allocate(1)
     write_block(store, b0, data)
-    store.start_journal()
     (b1,) = store.allocate(1)  # pushes b0 down to warm
-    moves = store.stop_journal()
     assert tiers_of(store, [b0, b1]) == [WARM, HOT]
-    assert [str(m) for m in moves] == ["block 0: hot -> warm"]
     store.release([b1])
-    store.undo_moves(moves)
+    store.placement.undo_moves([Move(b0, HOT, WARM)])
     assert tiers_of(store, [b0]) == [HOT]
     assert torch.equal(read_block(store, b0), data)
     check_pools_match_index(store)
+
+
+def test_a_lease_asked_for_on_a_closed_store_raises_bank_closed(make_store):
+    from tiered_kv import BankClosedError
+
+    store = make_store(2, 2, 2)
+    (block,) = store.allocate(1)
+    store.close()
+    with pytest.raises(BankClosedError, match="closed"):
+        lease_on(store, block)
+
+
+def test_a_lease_pins_its_blocks_and_its_end_unpins_them(make_store):
+    store = make_store(2, 2, 2)
+    (block,) = store.allocate(1)
+    lease = lease_on(store, block)
+    new_ids = lease.allocated_block_ids
+    assert new_ids == [] and store.state.is_pinned(block)
+    assert store.demote([block], WARM) == [] and tiers_of(store, [block]) == [HOT]  # pinned: stays
+    lease.commit()
+    assert not store.state.is_pinned(block)
+    lease.commit()  # ends once
+    store.demote([block], WARM)
+    assert tiers_of(store, [block]) == [WARM]
 
 
 def test_a_store_is_shared_by_copies_and_never_pickled(make_store):

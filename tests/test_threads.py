@@ -35,6 +35,7 @@ class Chat:
     new_tokens: list  # max_new_tokens per turn
     outputs: list = field(default_factory=list)
     bank: object = None
+    model: object = None
 
     def next_ids(self, outputs: list) -> torch.Tensor:
         turn = len(outputs)
@@ -60,15 +61,15 @@ def _reference(model, chat: Chat) -> list[torch.Tensor]:
     return outputs
 
 
-def _squeezed_config(tmp_path) -> dict:
-    config = tier_config("forces_cold", tmp_path)
+def _squeezed_config(tmp_path, engine: str = "auto", delay_us: int = 0) -> dict:
+    config = tier_config("forces_cold", tmp_path, engine=engine, delay_us=delay_us)
     config["hot"]["capacity_blocks"] = 3
     config["warm"]["capacity_blocks"] = 4
     config["cold"]["capacity_blocks"] = 256
     return config
 
 
-def _run_threaded(model, store, chats: list[Chat], form: str, seed: int, prefetch: bool = False):
+def _run_threaded(store, chats: list[Chat], form: str, seed: int, prefetch: bool = False):
     """Drive every chat's turns from NUM_THREADS worker threads. Returns (errors, overflows, alive)."""
     tasks: queue.Queue = queue.Queue()
     order = list(range(len(chats)))
@@ -90,6 +91,7 @@ def _run_threaded(model, store, chats: list[Chat], form: str, seed: int, prefetc
             except queue.Empty:
                 continue
             chat = chats[i]
+            model = chat.model
             try:
                 if chat.bank is None:
                     chat.bank = make_bank(form, model, store=store, cost_sensitivity=(i % 3) / 2)
@@ -134,18 +136,21 @@ def _run_threaded(model, store, chats: list[Chat], form: str, seed: int, prefetc
     return errors, overflows, alive
 
 
-def _stress(form: str, seed: int, tmp_path, scheduler: dict | None = None, prefetch: bool = False):
+def _stress(form: str, seed: int, tmp_path, scheduler: dict | None = None, prefetch: bool = False,
+            engine: str = "auto", delay_us: int = 0, models: tuple = ()):
     model = tiny_model("llama")  # one model instance serves every chat, like a server
     chats = _chats(seed)
-    expected = [_reference(model, chat) for chat in chats]  # single-threaded, before
-    config = _squeezed_config(tmp_path)
+    for i, chat in enumerate(chats):  # with `models`, chats alternate between models of one KV shape
+        chat.model = ([model, *models])[i % (1 + len(models))]
+    expected = [_reference(chat.model, chat) for chat in chats]  # single-threaded, before
+    config = _squeezed_config(tmp_path, engine, delay_us)
     if scheduler is not None:
         config["scheduler"] = scheduler
         # watermarks low enough that the mover demotes in the background all the time
         config["hot"].update(high_watermark=0.34, low_watermark=0.0)
         config["warm"].update(high_watermark=0.5, low_watermark=0.25)
     store = tiered_kv.TierStore(config)
-    errors, overflows, alive = _run_threaded(model, store, chats, form, seed, prefetch)
+    errors, overflows, alive = _run_threaded(store, chats, form, seed, prefetch)
     assert not alive, f"deadlock: threads {alive} still running after {JOIN_TIMEOUT_S} s"
     assert not errors, errors
     assert not overflows, f"tiers over capacity: {sorted(set(overflows))}"
@@ -158,6 +163,8 @@ def _stress(form: str, seed: int, tmp_path, scheduler: dict | None = None, prefe
     assert sum(moved.values()) > 0, f"the squeezed tiers moved no block: {moved}"
     if scheduler is not None:
         assert stats["bytes_background"] > 0, f"the mover moved nothing: {stats['scheduler']}"
+    assert store.wait_for_background(60) and store.check_consistency() == []
+    assert not store.state.has_pins and not store.state.in_flight
     store.close()
 
 
@@ -172,6 +179,18 @@ def test_every_policy_with_the_mover_and_prefetch_from_many_threads(policy, tmp_
     while the background mover prefetches, demotes past the watermarks and compacts."""
     _stress("model", 0, tmp_path, scheduler={"policy": policy, "ali_window": 8, "idle_steps": 6,
                                              "mover_interval_s": 0.001}, prefetch=True)
+
+
+@pytest.mark.parametrize("delay_us", (100, 500))
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_many_chats_from_many_threads_with_copies_held_back(seed, delay_us, tmp_path):
+    """Issue 16: every copy runs later, on the thread engine; two models of one KV shape (different
+    weights: they never share a block) on one store, the mover prefetching and demoting."""
+    from helpers import same_shape_model
+
+    _stress("model", seed, tmp_path, scheduler={"policy": "lru", "ali_window": 8, "idle_steps": 6,
+                                                "mover_interval_s": 0.001}, prefetch=True,
+            engine="thread", delay_us=delay_us, models=(same_shape_model(tiny_model("llama"), 99),))
 
 
 @pytest.mark.parametrize("seed", SEEDS[:3])

@@ -56,7 +56,7 @@ def _config(cold_dir) -> dict:
 
 
 def _counters_now(store) -> tuple[dict, dict]:
-    return ({name: store.pools[t].num_used for t, name in enumerate(TIER_NAMES)}, dict(store.bytes_moved))
+    return ({name: store.pools[t].num_used for t, name in enumerate(TIER_NAMES)}, dict(store.reporting.bytes_moved))
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-NO_TIER = -1  # the tier of a corrupt block: it keeps its id but holds no slot and no data
-NUM_TIERS = 3
+from .blocks import DROPPED, NUM_TIERS
 
 
 @dataclass
 class BlockEntry:
-    tier: int  # HOT/WARM/COLD, or NO_TIER while the block is corrupt
+    tier: int  # HOT/WARM/COLD, or DROPPED while the block is corrupt
     slot: int
     ref_count: int = 1
     key: bytes | None = None  # published key (verified content), or None
@@ -33,7 +32,7 @@ class BlockEntry:
 
     @property
     def is_corrupt(self) -> bool:
-        return self.tier == NO_TIER
+        return self.tier == DROPPED
 
 
 class BlockIndex:
@@ -66,7 +65,7 @@ class BlockIndex:
 
     def incref(self, block_id: int) -> None:
         entry = self._entry(block_id)
-        if entry.ref_count == 0 and entry.tier != NO_TIER:
+        if entry.ref_count == 0 and entry.tier != DROPPED:
             self._unreferenced[entry.tier].pop(block_id, None)
         entry.ref_count += 1
 
@@ -75,7 +74,7 @@ class BlockIndex:
         if entry.ref_count <= 0:
             raise ValueError(f"block {block_id}: released more often than retained (ref_count {entry.ref_count})")
         entry.ref_count -= 1
-        if entry.ref_count == 0 and entry.tier != NO_TIER:
+        if entry.ref_count == 0 and entry.tier != DROPPED:
             self._unreferenced[entry.tier][block_id] = None
         return entry.ref_count
 
@@ -85,7 +84,7 @@ class BlockIndex:
         entries = self._entries
         for block_id in block_ids:
             tier = entries[block_id].tier
-            if tier != NO_TIER:
+            if tier != DROPPED:
                 self._recency[tier].move_to_end(block_id)
         self.order_version += 1
 
@@ -93,7 +92,7 @@ class BlockIndex:
         entry = self._entry(block_id)
         self._leave_tier(block_id, entry)
         entry.tier, entry.slot, entry.arrived_at = tier, slot, self.clock
-        if tier != NO_TIER:
+        if tier != DROPPED:
             self._recency[tier][block_id] = None
             if entry.ref_count == 0:
                 self._unreferenced[tier][block_id] = None
@@ -113,10 +112,10 @@ class BlockIndex:
     def mark_corrupt(self, block_id: int) -> None:
         """The block's data is gone: no key, no tier; banks still list it until they drop it."""
         self.unpublish(block_id)
-        self.move(block_id, NO_TIER, -1)
+        self.move(block_id, DROPPED, -1)
 
     def _leave_tier(self, block_id: int, entry: BlockEntry) -> None:
-        if entry.tier != NO_TIER:
+        if entry.tier != DROPPED:
             del self._recency[entry.tier][block_id]
             self._unreferenced[entry.tier].pop(block_id, None)
 

@@ -1,15 +1,26 @@
-"""Token <-> block arithmetic and the byte layout of one block. The one place that knows both.
+"""Token <-> block arithmetic, the byte layout of one block, and the tier ids. The one place that knows them.
 
 A block holds `block_size` consecutive tokens of one sequence, K and V, for every layer. Its
 canonical (record) layout is `[num_layers, 2, num_kv_heads, block_size, head_dim]`: one layer's
 K and V are contiguous (`layer_bytes`), so a tier can read or write a single layer of a block.
+
+Tiers are small integers, ordered from fast to slow, so "down" is a larger id. `DROPPED` is the one
+id of "no tier": the destination of an eviction (the block's data is discarded) and the tier of a
+block whose data failed its checksum (it keeps its id, holds no slot, and must be recomputed).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import LayoutError
+
+HOT, WARM, COLD = 0, 1, 2
+NUM_TIERS = 3
+TIER_NAMES = ("hot", "warm", "cold")
+DROPPED = -1  # no tier: an eviction's destination, a corrupt block's tier
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -17,6 +28,17 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold `num_tokens` tokens (ceil division)."""
     return -(-num_tokens // block_size)
+
+
+def tier_counts(placements) -> dict[int, int]:
+    """Blocks per tier over `(tiers, slots)` pairs of int arrays (a block in several counts once
+    per pair; DROPPED ones are not counted)."""
+    counts: dict[int, int] = {}
+    for tiers, _ in placements:
+        for tier, count in enumerate(np.bincount(tiers[tiers >= 0], minlength=NUM_TIERS).tolist()):
+            if count:
+                counts[tier] = counts.get(tier, 0) + count
+    return counts
 
 
 def block_span(start_token: int, end_token: int, block_size: int) -> range:

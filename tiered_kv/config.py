@@ -28,12 +28,14 @@ import yaml
 
 from .errors import ConfigError
 
-__all__ = ["ALLOWED_BACKENDS", "ALLOWED_POLICIES", "BlockSizeAutoConfig", "ColdConfig", "Config", "HotConfig",
-           "MetricsConfig", "RemoteConfig", "SchedulerConfig", "WarmConfig", "load_config", "parse_size"]
+__all__ = ["ALLOWED_BACKENDS", "ALLOWED_COPY_ENGINES", "ALLOWED_POLICIES", "BlockSizeAutoConfig", "ColdConfig",
+           "Config", "CopiesConfig", "HotConfig", "MetricsConfig", "RemoteConfig", "SchedulerConfig", "WarmConfig", "load_config", "parse_size"]
 
 ALLOWED_BACKENDS = ("auto", "posix", "kvikio")
 ALLOWED_POLICIES = ("lru", "lfu", "fifo", "ali")
 ALLOWED_PINNED = ("auto", "true", "false")
+ALLOWED_COPY_ENGINES = ("auto", "sync", "thread")
+MAX_COPY_DELAY_US = 1_000_000
 MAX_BLOCK_SIZE_TOKENS = 1024
 BLOCK_SIZE_AUTO = "auto"
 _BLOCK_SIZE_ALLOWED = f"a power of two from 1 to {MAX_BLOCK_SIZE_TOKENS} (tokens)"
@@ -282,6 +284,32 @@ class MetricsConfig:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True, kw_only=True)
+class CopiesConfig:
+    """Where block copies between tiers run (hw/copy_engine.py).
+
+    `engine`: auto (a CUDA side stream on a GPU, sync on CPU), sync (each copy runs at once on the
+    thread that asks for it) or thread (copies run later, in order, on a thread of their own, and
+    signal completion as CUDA events do: how the GPU's ordering rules are exercised on a CPU).
+    `delay_us`: the thread engine waits this long before each batch of copies (tests widen the
+    window in which a copy is still in flight with it); 0..1,000,000, only with engine thread."""
+    engine: str = "auto"
+    delay_us: int = 0
+
+    def __post_init__(self) -> None:
+        if self.engine not in ALLOWED_COPY_ENGINES:
+            raise _error("copies.engine", self.engine, " | ".join(ALLOWED_COPY_ENGINES))
+        if isinstance(self.delay_us, bool) or not isinstance(self.delay_us, int) \
+                or not 0 <= self.delay_us <= MAX_COPY_DELAY_US:
+            raise _error("copies.delay_us", self.delay_us, f"an integer from 0 to {MAX_COPY_DELAY_US:,} (microseconds)")
+        if self.delay_us and self.engine != "thread":
+            raise ConfigError(f"config key 'copies.delay_us': got {self.delay_us!r} with engine {self.engine!r}; "
+                              "allowed: a delay only with engine 'thread' (the other engines do not wait)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 REMOTE_SCHEMES = ("redis", "rediss", "unix")
 REMOTE_WRITE_MODES = ("through", "off")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -439,7 +467,8 @@ class BlockSizeAutoConfig:
 
 
 _SECTION_TYPES: dict[str, type] = {"hot": HotConfig, "warm": WarmConfig, "cold": ColdConfig,
-                                   "scheduler": SchedulerConfig, "metrics": MetricsConfig, "remote": RemoteConfig}
+                                   "scheduler": SchedulerConfig, "metrics": MetricsConfig, "remote": RemoteConfig,
+                                   "copies": CopiesConfig}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -458,6 +487,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    copies: CopiesConfig = field(default_factory=CopiesConfig)
     block_size_spec: int | str = field(init=False)  # 16 or "auto": what the config asked for
 
     def __post_init__(self) -> None:
@@ -508,7 +538,8 @@ _SECTION_KEYS = {"hot": ("device", "capacity", "capacity_blocks", *_WATERMARK_KE
                  "cold": ("path", "capacity", "capacity_blocks", "backend", "fsync", *_WATERMARK_KEYS),
                  "scheduler": tuple(f.name for f in dataclasses.fields(SchedulerConfig)),
                  "metrics": tuple(f.name for f in dataclasses.fields(MetricsConfig)),
-                 "remote": tuple(f.name for f in dataclasses.fields(RemoteConfig))}
+                 "remote": tuple(f.name for f in dataclasses.fields(RemoteConfig)),
+                 "copies": tuple(f.name for f in dataclasses.fields(CopiesConfig))}
 _AUTO_KEYS = tuple(f.name for f in dataclasses.fields(BlockSizeAutoConfig))
 _TOP_KEYS = ("block_size", *_SECTION_TYPES, BlockSizeAutoConfig.SECTION)
 

@@ -22,20 +22,19 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..blocks import layout_from_model_config
+from ..blocks import TIER_NAMES, layout_from_model_config, tier_counts
 from ..config import Config, load_config
 from ..errors import BankClosedError, LayoutError
+from ..hooks.attention import LAYER_KEY, expect_handle, paged_kernels
+from ..hooks.install import MODE_OF_IMPLEMENTATION
+from ..hooks.reads import LayerReads, StepReads, StreamBuffers
 from ..identity import ModelFingerprint
-from ..scheduler import TIER_NAMES
 from ..store import TierStore
 from . import forward_watch
 from .chat_ops import ChatOps
-from .stepping import Stepping
 from .rows import Row
-from .layer_reads import LayerReads, StepReads, StreamBuffers
-from .step import PlacementCache, RowInputs, Step, tier_counts
-from ..hooks.attention import LAYER_KEY
-from ..hooks.install import MODE_OF_IMPLEMENTATION
+from .step import RowInputs, Step
+from .stepping import Stepping
 
 _STEP_OWNER_IDS = itertools.count(1)
 
@@ -114,12 +113,10 @@ class CacheBank(Stepping, ChatOps, Cache):
         self._pending_inputs: list[RowInputs] | None = None
         self._step_owner = next(_STEP_OWNER_IDS)
         self._block_set: set[int] = set()  # every block any row references (pinned during a step)
-        self._placement_cache = PlacementCache()
-        self._touched_order_version = -1
-        self._forward_pins = None  # reads_host_tiers of a committed step still pinned until its forward ends
+        self._forward_lease = None  # a committed step's lease, ended when its forward pass ends
         self._closed = False
-        # told of every committed step: step_committed(bank, num_new_tokens, num_tokens, step_s),
-        # called under the store lock (tiered_kv/trace's TraceRecorder); None: nobody listens
+        # told of every committed step: step_committed(bank, num_new_tokens, num_tokens, step_s)
+        # (tiered_kv/trace's TraceRecorder); None: nobody listens
         self.step_observer = None
         self._stream_buffers: StreamBuffers | None = None  # created by the first hooked step
         self._hook_counts = dict.fromkeys(("layers_view", "layers_gathered", "layers_streamed", "layers_merged",
@@ -140,26 +137,29 @@ class CacheBank(Stepping, ChatOps, Cache):
         elif self._step is None:
             raise RuntimeError(f"CacheBank.update: layer {layer_idx} came without layer 0 of the same forward pass "
                                "(the step was rolled back); call the model again")
-        step, store = self._step, self.store
+        step = self._step
+        lease = step.lease
         kv_new = torch.stack((key_states, value_states))  # [2, B, H, t, D]
         seam = kwargs.get("kwargs")  # the dict the model passes on to its attention function
         if isinstance(seam, dict):
             if layer_idx == 0:
                 self._start_hooked_reads(step)
             if step.reads is not None:  # tiered_kv.hooks: attention reads the blocks in place
-                with self._rolled_back_on_error(), store.lock:
+                with self._rolled_back_on_error():
                     for r in range(kv_new.shape[1]):
-                        store.write_layer(layer_idx, step.write_runs[r], kv_new[:, r])
-                seam[LAYER_KEY] = LayerReads(step.reads, self, layer_idx, key_states, value_states)
+                        lease.write_layer(layer_idx, r, kv_new[:, r])
+                handle = LayerReads(step.reads, self, layer_idx, key_states, value_states)
+                seam[LAYER_KEY] = handle
+                expect_handle(layer_idx, handle)  # attention without it would see only the new tokens
                 return key_states, value_states  # committed once the last layer's attention is done
-        with self._rolled_back_on_error(), store.lock:
+        with self._rolled_back_on_error():
             rows = []
             for r in range(kv_new.shape[1]):
-                store.write_layer(layer_idx, step.write_runs[r], kv_new[:, r])
-                rows.append(store.read_layer(layer_idx, step.read_runs[r], step.num_tokens))
+                lease.write_layer(layer_idx, r, kv_new[:, r])
+                rows.append(lease.read_layer(layer_idx, r))
         kv = rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, dim=1)
         if layer_idx == self.num_layers - 1:
-            if not step.hooked:
+            if not step.forward_seen:
                 # nothing will tell us when this layer's attention is done reading: no views of
                 # blocks that other threads may move once the step is committed and unpinned
                 kv = kv.clone()
@@ -232,7 +232,6 @@ class CacheBank(Stepping, ChatOps, Cache):
 
     def _structure_changed(self) -> None:
         self._block_set = {b for row in self._rows for b in row.table}
-        self._placement_cache.invalidate()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -251,9 +250,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         other._rows = [row.copy() for row in self._rows]
         other._pending_inputs = None
         other._step_owner = next(_STEP_OWNER_IDS)
-        other._placement_cache = PlacementCache()
-        other._touched_order_version = -1
-        other._forward_pins = None
+        other._forward_lease = None
         other._stream_buffers = None
         other.step_observer = None  # an observer follows the bank it was given, not its copies
         other._hook_counts = dict.fromkeys(self._hook_counts, 0)
@@ -281,9 +278,8 @@ class CacheBank(Stepping, ChatOps, Cache):
         # hand the references to the store to release at its next operation, touch nothing here.
         try:
             if not self._closed and not self.store.is_closed:
-                self.store.release_later([b for row in self._rows for b in row.table],
-                                         self._step.allocated_block_ids() if self._step else [],
-                                         self._step_owner)
+                allocated = self._step.allocated_block_ids() if self._step is not None else []
+                self.store.release_later([b for row in self._rows for b in row.table] + allocated, self._step_owner)
         except Exception:
             pass
 
@@ -305,7 +301,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         counts = tier_counts([self.store.placements(row.table) for row in self._rows])
         out["bank_blocks"] = {name: counts.get(tier, 0) for tier, name in enumerate(TIER_NAMES)}
         out["seq_tokens"] = self._seq_len
-        out["contiguity"] = self.store.contiguity([row.table for row in self._rows])
+        out["contiguity"] = self.store.reporting.contiguity([row.table for row in self._rows])
         out["store_critical_path"] = out["critical_path"]
         cp = self._critical_path
         out["critical_path"] = {"move_s": cp["demote_s"] + cp["promote_s"], **cp}
@@ -328,12 +324,14 @@ class CacheBank(Stepping, ChatOps, Cache):
     def _start_hooked_reads(self, step: Step) -> None:
         """At layer 0 of a step whose forward the hooks see: attention will read in place."""
         mode = self.hooks_mode
-        if mode is None or not step.hooked:
+        if mode is None or not step.forward_seen:
             return
         if self._stream_buffers is None:
             self._stream_buffers = StreamBuffers(self.store.device, self.store.dtype)
+        store = self.store
         with self._rolled_back_on_error():
-            step.reads = StepReads(self, step, mode, self._stream_buffers, self._hook_counts)
+            step.reads = StepReads(step.lease, mode, self._stream_buffers, self._hook_counts, self.num_layers,
+                                   lambda: store.stream_worker, store.layout, paged_kernels())
 
     def _layer_attended(self, layer_idx: int) -> None:
         """A hooked layer's attention finished; after the last one the step commits."""

@@ -13,11 +13,10 @@ import time
 
 import torch
 
-from ..block_index import NO_TIER
+from ..blocks import DROPPED, HOT, TIER_NAMES
 from ..identity import chain_keys
-from ..scheduler import HOT, TIER_NAMES
+from ..store.reporting import count_turn_start
 from .rows import Row, common_prefix_length
-from .step import tier_counts
 
 
 class ChatOps:
@@ -123,26 +122,32 @@ class ChatOps:
 
     def _promote_tables(self, tables: list[list[int]], turn_start: bool = False) -> None:
         """Move these blocks up the tiers now, then check whatever stays cold against its
-        checksums rather than mid-forward (with hooks, the stream worker checks each layer's
-        slice a layer ahead instead, off the critical path). At a turn's start, first count where they were
+        checksums rather than mid-forward (with hooks, each cold slice is checked as it is read,
+        a layer ahead, off the critical path). At a turn's start, first count where they were
         (the store's per-tier hit rates)."""
         order = self._promotion_order(tables)
+        if not order:
+            return
         store = self.store
-        with store.lock:
-            tiers, _ = store.placements(order)
-            if turn_start and len(order):
-                store.count_turn_start(tier_counts([(tiers, None)]))
-            if (tiers == HOT).all():
-                return
-            before = store.thread_move_seconds()
-            store.promote(order, owner=self._step_owner)
-            if self.hooks_mode is None:  # hooked steps check each cold slice as the stream worker reads it
-                store.verify(order)
-            self._add_critical_path(before)
+        tiers, _ = store.placements(order)
+        if turn_start:
+            count_turn_start(store.metrics, tiers)
+        if (tiers == HOT).all():
+            return
+        before = self._thread_move_seconds()
+        store.promote(order, owner=self._step_owner)
+        if self.hooks_mode is None:
+            store.verify(order)
+        self._add_critical_path(before)
+
+    def _thread_move_seconds(self) -> dict:
+        """Seconds this thread has waited for the store's demand moves so far, by direction."""
+        demand = self.store.demand
+        return dict(demand.thread_seconds()) if demand is not None else {"demote": 0.0, "promote": 0.0}
 
     def _add_critical_path(self, before: dict) -> None:
         """Charge this bank the seconds its thread spent moving blocks since `before`."""
-        after = self.store.thread_move_seconds()
+        after = self._thread_move_seconds()
         for direction in ("demote", "promote"):
             self._critical_path[f"{direction}_s"] += after[direction] - before[direction]
 
@@ -151,7 +156,7 @@ class ChatOps:
         first_bad = None
         for row in self._rows:
             tiers, _ = self.store.placements(row.table)
-            bad = next((i for i, tier in enumerate(tiers) if tier == NO_TIER), None)
+            bad = next((i for i, tier in enumerate(tiers) if tier == DROPPED), None)
             if bad is not None:
                 first_bad = bad if first_bad is None else min(first_bad, bad)
         if first_bad is None:

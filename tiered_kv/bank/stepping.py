@@ -1,9 +1,10 @@
 """How a bank runs one forward pass: forward-hook inputs, then an atomic Step per pass.
 
-Mixed into CacheBank. Layer 0 calls `_begin_step`, which opens a Step (step.py) under the store
-lock; the last layer calls `_commit_step`; anything that stops the pass in between calls
-`_rollback_step` (directly, from the forward hook that runs even when the model raised, or
-lazily at the bank's next use). Tokens are published here, a few new blocks per step.
+Mixed into CacheBank. Layer 0 calls `_begin_step`, which opens a Step (step.py) and the store's
+lease for it (store/leases.py; the bank never takes the store's lock); every layer reads and
+writes through the lease; the last layer calls `_commit_step`; anything that stops the pass in
+between calls `_rollback_step` (directly, from the forward hook that runs even when the model
+raised, or lazily at the bank's next use). Tokens are published here, a few new blocks per step.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 
 from ..blocks import KVLayout, num_blocks_for
 from ..errors import CapacityError, CorruptBlockError, LayoutError
-from ..store import TierStore
+from ..hooks.attention import clear_expected
+from ..store import PIN_WAIT_S, StepRequest
 from .rows import Row
-from .step import RowInputs, Step, blocks_needed, reads_host, tier_counts
+from .step import RowInputs, Step
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 
@@ -53,15 +55,15 @@ class Stepping:
         self._pending_inputs = None
         if failed and self._step is not None:
             self._rollback_step()
-        self._release_forward_pins()
+        self._end_forward_lease()
 
-    def _release_forward_pins(self) -> None:
-        """Unpin a committed step's blocks once its forward pass is over. The last layer's K/V
-        may be views of hot blocks that its attention reads after update() returned, so a step
-        seen by the forward hooks keeps its pins until the model's forward ends."""
-        if self._forward_pins is not None:
-            reads_host_tiers, self._forward_pins = self._forward_pins, None
-            self.store.end_step(self._step_owner, reads_host_tiers)
+    def _end_forward_lease(self) -> None:
+        """End a committed step's lease once its forward pass is over. The last layer's K/V may
+        be views of hot blocks that its attention reads after update() returned, so a step seen
+        by the forward hooks keeps its pins until the model's forward ends."""
+        if self._forward_lease is not None:
+            lease, self._forward_lease = self._forward_lease, None
+            lease.commit()
 
     def _take_inputs(self, num_rows: int, num_new: int) -> list[RowInputs]:
         pending, self._pending_inputs = self._pending_inputs, None
@@ -85,16 +87,45 @@ class Stepping:
             self.store.metrics.turns.inc()
         self._check_fits(num_rows, num_tokens)
         inputs = self._take_inputs(num_rows, num_new)
-        store, block_size = self.store, self.config.block_size
-        with store.lock:
-            store.drain_deferred()
-            step = Step(num_new, num_tokens, created_rows=not self._rows, inputs=inputs,
-                        hooked=inputs[0].token_ids is not None, started_s=started_s)
-            if step.created_rows:
-                self._rows = [Row() for _ in range(num_rows)]
-            self._step = step
-            with self._rolled_back_on_error():
-                self._open_step(step, store, block_size)
+        step = Step(num_new, num_tokens, created_rows=not self._rows, inputs=inputs,
+                    forward_seen=inputs[0].token_ids is not None, started_s=started_s)
+        if step.created_rows:
+            self._rows = [Row() for _ in range(num_rows)]
+        self._step = step
+        with self._rolled_back_on_error():
+            step.lease = self._open_lease(self._step_request(step))
+
+    def _step_request(self, step: Step) -> StepRequest:
+        new_turn = step.num_new_tokens > 1
+        tables = [list(row.table) for row in self._rows]
+        has_history = any(tables)
+        request = StepRequest(
+            self._step_owner, tables, self._block_set, self._seq_len, step.num_new_tokens, new_turn=new_turn,
+            promotion_order=self._promotion_order(tables) if new_turn and has_history else [],
+            verify_cold=new_turn and self.hooks_mode is None,  # hooked steps check each cold slice as they read it
+            count_turn_start=new_turn and has_history and not self._turn_counted,
+            cost_sensitivity=self.cost_sensitivity)
+        self._turn_counted = False
+        return request
+
+    def _open_lease(self, request: StepRequest):
+        """The store's lease for this step; waits (without any lock) while the room it needs is
+        held by other chats' running steps, up to PIN_WAIT_S."""
+        store = self.store
+        before = self._thread_move_seconds()
+        deadline = time.monotonic() + PIN_WAIT_S
+        try:
+            while True:
+                version = store.change_version
+                lease = store.open_step(request)
+                if lease is not None:
+                    return lease
+                if not store.wait_for_change(version, deadline - time.monotonic()):
+                    raise CapacityError(
+                        f"this step needs room that other chats' running steps held for {PIN_WAIT_S:.0f} s; "
+                        "nothing was written. Raise a tier's capacity or run fewer chats at once")
+        finally:
+            self._add_critical_path(before)
 
     @contextlib.contextmanager
     def _rolled_back_on_error(self):
@@ -109,89 +140,40 @@ class Stepping:
             self._rollback_step()
             raise
 
-    def _open_step(self, step: Step, store: TierStore, block_size: int) -> None:
-        store.start_journal()  # the moves made for this step, undone if it is rolled back
-        try:
-            self._make_room(step, store, block_size)
-        finally:
-            step.moves = store.stop_journal()
-        tables = [step.block_table(r, row.table) for r, row in enumerate(self._rows)]
-        store.begin_step(self._step_owner, self._block_set, tables, self.cost_sensitivity)
-        step.placement_version = store.placement_version
-        step.placements = [self._placement_cache.lookup(store, r, table) for r, table in enumerate(tables)]
-        for tiers, slots in step.placements:
-            step.write_runs.append(store.map_range(tiers, slots, self._seq_len, step.num_tokens))
-            step.read_runs.append(store.map_range(tiers, slots, 0, step.num_tokens))
-        step.reads_host_tiers = reads_host(step.read_runs)
-        if store.order_version != self._touched_order_version:  # else our blocks are still the most recent
-            store.touch(self._block_set)
-        self._touched_order_version = store.order_version
-        store.count_hits(tier_counts(step.placements))
-
-    def _make_room(self, step: Step, store: TierStore, block_size: int) -> None:
-        """Copy-on-write of a shared tail, blocks for the new tokens, history up on a new turn."""
-        new_turn = step.num_new_tokens > 1
-        if new_turn and not self._turn_counted and self._rows:  # a turn without attach(): count it here
-            history = [row.table for row in self._rows]
-            order = self._promotion_order(history)
-            store.count_turn_start(tier_counts([store.placements(order)]))
-        self._turn_counted = False
-        before = store.thread_move_seconds()
-        try:
-            self._make_room_now(step, store, block_size, new_turn)
-        finally:
-            self._add_critical_path(before)
-
-    def _make_room_now(self, step: Step, store: TierStore, block_size: int, new_turn: bool) -> None:
-        if self._seq_len % block_size:  # a partly filled tail is about to change
-            for r, row in enumerate(self._rows):
-                tail = row.table[-1]
-                _, ref_count, key = store.block_info(tail)
-                if ref_count > 1 or key is not None:  # shared, or named by a key: keep its content
-                    step.tail_copies[r] = (tail, store.copy_block(tail))
-                    self._block_set.add(step.tail_copies[r][1])
-        needed = [blocks_needed(step.num_tokens, block_size, row.table) for row in self._rows]
-        # each row's new blocks continue its last block in the hot slab when they can (one slice)
-        tails = [step.tail_copies[r][1] if r in step.tail_copies else (row.table[-1] if row.table else None)
-                 for r, row in enumerate(self._rows)]
-        new_ids = store.allocate(sum(needed), follow=list(zip(needed, tails)))  # CapacityError with nothing changed
-        for count in needed:
-            step.new_blocks.append(new_ids[:count])
-            self._block_set.update(new_ids[:count])
-            del new_ids[:count]
-        if new_turn:  # bring this chat's history up before reading it
-            self._promote_tables([step.block_table(r, row.table) for r, row in enumerate(self._rows)])
-
     def _commit_step(self) -> None:
         step, store = self._step, self.store
-        replaced = []
-        with store.lock:
-            for r, row in enumerate(self._rows):
-                if r in step.tail_copies:
-                    old_tail, row.table[-1] = step.tail_copies[r]
-                    replaced.append(old_tail)
-                row.table.extend(step.new_blocks[r])
-                inputs = step.inputs[r]
-                if inputs.token_ids is not None and len(row.token_ids) == self._seq_len:
-                    row.token_ids.extend(inputs.token_ids)
-                    if inputs.verified and row.num_verified_tokens == self._seq_len:
-                        row.num_verified_tokens = step.num_tokens
-                self._publish(row)
-            self._seq_len = step.num_tokens
-            self._count_step(step)
-            self._placement_cache.remember(step.placement_version, [row.table for row in self._rows], step.placements)
-            self._step = None
-            if step.hooked:
-                self._forward_pins = step.reads_host_tiers  # unpinned by _note_forward_end
-            else:
-                store.end_step(self._step_owner, step.reads_host_tiers)
-            if replaced:
-                store.release(replaced)
-                self._block_set = {b for row in self._rows for b in row.table}
-            observer = self.step_observer
-            if observer is not None:  # e.g. a TraceRecorder (tiered_kv/trace); None costs one check
-                observer.step_committed(self, step.num_new_tokens, step.num_tokens,
-                                        time.perf_counter() - step.started_s)
+        lease = step.lease
+        replaced, published = [], []
+        for r, row in enumerate(self._rows):
+            leased = lease.rows[r]
+            if leased.tail_copy is not None:
+                old_tail, row.table[-1] = leased.tail_copy
+                replaced.append(old_tail)
+            row.table.extend(leased.new_blocks)
+            inputs = step.inputs[r]
+            if inputs.token_ids is not None and len(row.token_ids) == self._seq_len:
+                row.token_ids.extend(inputs.token_ids)
+                if inputs.verified and row.num_verified_tokens == self._seq_len:
+                    row.num_verified_tokens = step.num_tokens
+            published += self._publishable(row)
+        if published:
+            store.publish_many(published)
+        self._seq_len = step.num_tokens
+        self._count_step(step)
+        self._step = None
+        if replaced:
+            self._block_set = {b for row in self._rows for b in row.table}
+        else:
+            self._block_set.update(lease.allocated_block_ids)
+        if step.forward_seen:
+            self._forward_lease = lease  # the last layer's K/V may be read after update(): ended at forward end
+        else:
+            lease.commit()
+        if replaced:
+            store.release(replaced)
+        observer = self.step_observer
+        if observer is not None:  # e.g. a TraceRecorder (tiered_kv/trace); None costs one check
+            observer.step_committed(self, step.num_new_tokens, step.num_tokens, time.perf_counter() - step.started_s)
 
     def _count_step(self, step: Step) -> None:
         """Tokens computed by kind; the turn's time to first token at the end of its first forward."""
@@ -202,40 +184,39 @@ class Stepping:
             metrics.ttft.observe((), time.perf_counter() - self._turn_started_s)
             self._turn_started_s = None
 
-    def _publish(self, row: Row) -> None:
-        """Publish the row's newly full, verified blocks (O(new blocks) a step)."""
+    def _publishable(self, row: Row) -> list[tuple[int, bytes, bytes]]:
+        """The row's newly full, verified blocks with their keys (O(new blocks) a step)."""
         if not (self.verifies_token_ids and self.fingerprint.is_shareable):
-            return
+            return []
         block_size = self.config.block_size
         root = self.fingerprint.root_key(self.store.layout.dtype_name)
         row.extend_keys(root, block_size)
-        for i in range(row.num_published_blocks, row.num_publishable_blocks(block_size)):
-            self.store.publish(row.table[i], row.keys[i], root)
+        items = [(row.table[i], row.keys[i], root)
+                 for i in range(row.num_published_blocks, row.num_publishable_blocks(block_size))]
         row.num_published_blocks = max(row.num_published_blocks, row.num_publishable_blocks(block_size))
+        return items
 
     def _rollback_step(self) -> None:
-        """Undo an open step: release what it allocated, drop its pins; the bank is as before."""
+        """Undo an open step: its lease is aborted (allocations released, moves undone, pins
+        dropped); the bank is as before."""
         step, self._step = self._step, None
         if step is None:
             return
+        clear_expected()
         if step.reads is not None:
             step.reads.finish()  # no fetch may still read blocks about to be released
-        store = self.store
-        with store.lock:
-            store.end_step(self._step_owner)
-            if step.created_rows:
-                self._rows = []
-            self._structure_changed()
-            if not store.is_closed:
-                store.release(step.allocated_block_ids())
-                store.undo_moves(step.moves)
+        if step.created_rows:
+            self._rows = []
+        self._structure_changed()
+        if step.lease is not None:
+            step.lease.abort()
 
     def _abandon_step(self) -> None:
         """Before any new step or public operation: roll back a step that never finished, and
-        drop the pins of a forward whose end the hooks did not see (e.g. KeyboardInterrupt)."""
+        end the lease of a forward whose end the hooks did not see (e.g. KeyboardInterrupt)."""
         if self._step is not None:
             self._rollback_step()
-        self._release_forward_pins()
+        self._end_forward_lease()
 
     def _corrupt_error(self, error: CorruptBlockError) -> CorruptBlockError:
         first_bad = self._drop_from_first_corrupt()
@@ -275,4 +256,8 @@ class Stepping:
         if dtype_name is None:
             raise LayoutError(f"KV dtype {dtype} is not supported; allowed: {list(_DTYPE_NAMES)}")
         base = self._layout_no_dtype
-        self.store.bind(KVLayout(base.num_layers, base.num_kv_heads, base.head_dim, base.block_size, dtype_name), dtype)
+        layout = KVLayout(base.num_layers, base.num_kv_heads, base.head_dim, base.block_size, dtype_name)
+        store = self.store
+        if store.layout == layout and store.dtype == dtype:  # bound already (every step after the first)
+            return
+        store.bind(layout, dtype)

@@ -5,7 +5,8 @@
     tiered_kv.hooks.uninstall(model)
 
 install.py registers the attention functions and checks the model; attention.py holds them;
-the bank's side (views, stream buffers, layer streaming) is bank/layer_reads.py.
+reads.py plans what each layer reads (view, gather, stream, paged kernel) through the step's
+lease; stream_worker.py fetches layers ahead.
 """
 
 from .attention import LAYER_KEY

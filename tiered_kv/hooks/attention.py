@@ -1,8 +1,11 @@
 """The attention functions registered by `install`: exact (the reference) and merge.
 
 Both receive, in the kwargs dict the model shares between `cache.update` and attention, a
-`LayerReads` handle (bank/layer_reads.py) under `LAYER_KEY`; without it (another cache, or
-hooks not serving this step) they are plain sdpa over the K/V the cache returned.
+`LayerReads` handle (reads.py) under `LAYER_KEY`; without it (another cache, or hooks not
+serving this step) they are plain sdpa over the K/V the cache returned. A CacheBank that left a
+handle for this layer returns only the new tokens' K/V: should the model hand attention another
+kwargs dict than the one it gave the cache, the handle is missing and attention over the new
+tokens alone would be silently wrong, so that raises (`expect_handle` / `MissingLayerHandle`).
 
 exact: transformers' own `sdpa_attention_forward` over the layer's whole K/V, which the handle
 gives as a zero-copy view of consecutive hot slots or as a buffer it filled (history by the
@@ -17,11 +20,51 @@ Float32 accumulation; equal to exact within ~1e-6 relative in fp32, not bitwise.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 LAYER_KEY = "tiered_kv_layer"
 PAGED_ON_CPU = False  # tests set it to run the paged path through the kernels' torch reference
+
+_expected = threading.local()  # layer index -> the handle a bank left for it on this thread
+
+
+class MissingLayerHandle(RuntimeError):
+    """Attention ran without the handle the cache left for its layer (see the module docstring)."""
+
+
+def expect_handle(layer_idx: int, handle) -> None:
+    """A bank left `handle` for layer `layer_idx`'s attention on this thread (in the model's kwargs)."""
+    pending = getattr(_expected, "layers", None)
+    if pending is None:
+        pending = _expected.layers = {}
+    pending[layer_idx] = handle
+
+
+def clear_expected() -> None:
+    """The step on this thread ended or was rolled back: no handle is owed any more."""
+    pending = getattr(_expected, "layers", None)
+    if pending:
+        pending.clear()
+
+
+def _take_handle(module, kwargs: dict):
+    reads = kwargs.pop(LAYER_KEY, None)
+    pending = getattr(_expected, "layers", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    owed = pending.pop(layer_idx, None) if pending else None
+    if reads is None and owed is not None:
+        raise MissingLayerHandle(
+            f"tiered_kv.hooks: layer {layer_idx}'s attention did not get the handle its CacheBank left in the "
+            "kwargs passed to cache.update() (the model handed attention another kwargs dict); the K/V it got "
+            "hold only the new tokens. This model does not fit tiered_kv.hooks: uninstall them "
+            "(tiered_kv.hooks.uninstall(model)) to run it through CacheBank without hooks")
+    if reads is not None and reads.layer != layer_idx and layer_idx is not None:
+        raise MissingLayerHandle(f"tiered_kv.hooks: layer {layer_idx}'s attention got the handle of layer "
+                                 f"{reads.layer}; this model does not fit tiered_kv.hooks")
+    return reads
 
 
 def paged_kernels():
@@ -33,7 +76,7 @@ def paged_kernels():
 
 
 def exact_attention(module, query, key, value, attention_mask, **kwargs):
-    reads = kwargs.pop(LAYER_KEY, None)
+    reads = _take_handle(module, kwargs)
     if reads is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return _sdpa_over_full_kv(reads, module, query, attention_mask, **kwargs)
@@ -48,14 +91,13 @@ def _sdpa_over_full_kv(reads, module, query, attention_mask, **kwargs):
 
 
 def merge_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    reads = kwargs.pop(LAYER_KEY, None)
+    reads = _take_handle(module, kwargs)
     if reads is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if query.shape[2] == 1 and not reads.is_view and (query.is_cuda or PAGED_ON_CPU):
-        kernels = paged_kernels()
-        paged = reads.paged_decode(query[:, :, 0].contiguous(), attention_mask, scale, kernels) if kernels is not None else None
+        paged = reads.paged_decode(query[:, :, 0].contiguous(), attention_mask, scale)
         if paged is not None:  # the native paged decode kernel read every block where it lies
             reads.done()
             return paged[0].unsqueeze(1).contiguous(), None

@@ -14,10 +14,11 @@ blocks. Per chunk:
       `index_copy_` from staging into the device view;
   device -> host: ONE `index_select` from the device view into staging, then one DMA per run
       of consecutive host slots out of it.
-Everything is issued on the copy engine's side stream as one unit (`CudaCopyEngine.ordered`):
-after the compute stream's earlier work, before its event; staging is only touched on that
-stream, so chunks reuse it without host waits. Callers keep the engine's rules: wait with
-`before_host_read` before host code touches host memory such a copy may still use.
+A copier runs inside a unit of a copy engine (hw/copy_engine.py): on CUDA everything it issues
+goes on the engine's side stream, after the compute stream's earlier work and before the unit's
+event; staging is only touched on that stream, so chunks reuse it without host waits. Its
+caller (store/transfers.py) keeps the engine's rules: memory these copies use is in use until
+the unit's event passed. One copier (and its staging) serves one batch at a time.
 
 Staging memory: the caller allocates it on the device (TierStore: STAGING_DEVICE_BYTES, 64 MiB,
 capped at the hot tier's capacity; the mover: its batch, 16 MiB). It is NOT counted against the
@@ -58,8 +59,7 @@ class BlockCopier:
     `staging`: a contiguous `[C, L, 2, H, bs, D]` buffer on the compute device (None on a CPU
     store); `chunk_blocks` (at most C) bounds how many blocks one chunk moves."""
 
-    def __init__(self, copy_engine, staging: torch.Tensor | None = None, chunk_blocks: int | None = None):
-        self.copy_engine = copy_engine
+    def __init__(self, staging: torch.Tensor | None = None, chunk_blocks: int | None = None):
         self.staging = staging
         if staging is not None:
             chunk_blocks = min(chunk_blocks or staging.shape[0], staging.shape[0])
@@ -74,11 +74,10 @@ class BlockCopier:
         if not len(dst_slots):
             return
         self.num_calls += 1
-        with self.copy_engine.ordered():
-            if self.staging is not None and dst.device != src.device:
-                self.staged(dst, list(dst_slots), src, list(src_slots), to_device=dst.device == self.staging.device)
-            else:
-                self.direct(dst, list(dst_slots), src, list(src_slots))
+        if self.staging is not None and dst.device != src.device:
+            self.staged(dst, list(dst_slots), src, list(src_slots), to_device=dst.device == self.staging.device)
+        else:
+            self.direct(dst, list(dst_slots), src, list(src_slots))
 
     def direct(self, dst: torch.Tensor, dst_slots: list[int], src: torch.Tensor, src_slots: list[int]) -> None:
         """One copy_ per run of slots consecutive on both sides (sorted by source slot)."""
@@ -89,8 +88,8 @@ class BlockCopier:
     def staged(self, dst: torch.Tensor, dst_slots: list[int], src: torch.Tensor, src_slots: list[int],
                to_device: bool) -> None:
         """Through `staging` in chunks: per chunk one DMA per run of consecutive host slots and
-        one index op on the device side (`dst` when `to_device`, else `src`). Called inside the
-        engine's `ordered()` (see copy); tests drive it with CPU tensors."""
+        one index op on the device side (`dst` when `to_device`, else `src`). Called inside a
+        copy engine's unit (see copy); tests drive it with CPU tensors."""
         staging = self.staging
         if to_device:
             device_side, host_side = dst_slots, src_slots

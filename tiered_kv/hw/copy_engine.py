@@ -1,101 +1,235 @@
-"""Copies between the hot device and host memory.
+"""Copy engines: where copies between tiers run, and how a caller learns that they are done.
 
-CudaCopyEngine issues copies on a side stream, ordered against the compute stream by events,
-so block moves overlap compute. CpuCopyEngine copies in place. Both have the same methods;
-the store picks one at start.
+A *unit* is a callable that copies (a batch of block moves, a read of a block for the remote
+tier). `engine.submit(unit)` runs it and returns a `CopyEvent` that passes once the unit, and
+every unit submitted to the engine before it, is complete:
+
+- `SyncCopyEngine`: runs the unit at once on the caller's thread; its event has passed on return.
+- `ThreadCopyEngine`: queues the unit; the engine's own thread runs units later, in submission
+  order (waiting `delay_us` before each). Its events behave as CUDA events do: `done()` is
+  False until the unit ran. This is how a CPU run exercises the GPU's rules (DESIGN.md,
+  invariant 7): memory a copy still reads or writes is in use until its event passed, whatever
+  the submitting thread did meanwhile.
+- `CudaCopyEngine`: runs the unit on the caller's thread with the engine's side stream current,
+  ordered after everything the compute stream queued before; device copies are queued on the
+  side stream, and the event is recorded after them. Host code in the unit (file reads and
+  writes, checksums) runs at once; `host_wait()` inside a unit waits for its copies so far.
+
+An exception a unit raises never escapes `submit`: it is kept on the event (`event.error`), which
+then counts as passed. The caller fails the unit's whole batch (store/transfers.py).
+
+`compute_fence()` marks the device work queued so far on the compute stream (None where compute
+is synchronous, on CPU): host memory that queued work may still read (a warm slot copied to the
+device by attention) must not be overwritten before it passed.
 """
 
 from __future__ import annotations
 
-import contextlib
+import threading
+import time
+from collections import deque
+from typing import Callable
 
 import torch
 
+Unit = Callable[[], None]
 
-class CpuCopyEngine:
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
 
-    def ordered(self):
-        """Where several copies and device ops run as one unit, as `copy` runs one (see
-        CudaCopyEngine.ordered)."""
-        return contextlib.nullcontext()
+class CopyEvent:
+    """Completion of a unit of copies. `done()` never blocks; `wait()` blocks until it passed."""
 
-    def before_host_read(self) -> None:
-        """Called before the CPU reads or writes host memory a side-stream copy may still be using."""
+    error: BaseException | None = None
 
-    def before_device_use(self) -> None:
-        """Called before compute uses device memory that a copy may still be writing."""
+    def done(self) -> bool:
+        raise NotImplementedError
 
-    def after_host_to_device(self) -> None:
-        """Called after host memory was handed to an asynchronous copy to the device on the
-        compute stream, before the host may overwrite that memory (a staging buffer refilled,
-        a warm slot reused)."""
+    def wait(self) -> None:
+        raise NotImplementedError
 
-    def stream_context(self):
-        """Where a background thread issues its copies (its own stream on GPU)."""
-        return contextlib.nullcontext()
+
+class PassedEvent(CopyEvent):
+    """A unit that already ran (sync engine), with the error it raised, if any."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.error = error
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+class _ThreadEvent(CopyEvent):
+    def __init__(self) -> None:
+        self._passed = threading.Event()
+
+    def done(self) -> bool:
+        return self._passed.is_set()
+
+    def wait(self) -> None:
+        self._passed.wait()
+
+    def pass_(self, error: BaseException | None) -> None:
+        self.error = error
+        self._passed.set()
+
+
+class _CudaEvent(CopyEvent):
+    def __init__(self, event, error: BaseException | None):
+        self._event = event
+        self.error = error
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> None:
+        if self._event is None:
+            return
+        try:
+            self._event.synchronize()
+        except RuntimeError as error:  # an asynchronous device error surfaces here
+            if self.error is None:
+                self.error = error
+
+
+class SyncCopyEngine:
+    """Each unit runs at once, on the thread that submits it (on a CUDA device, on the current
+    stream, which is synchronized before submit returns)."""
+
+    name = "sync"
+
+    def __init__(self, device: torch.device | None = None):
+        self._cuda = device is not None and torch.device(device).type == "cuda"
+
+    def submit(self, unit: Unit) -> CopyEvent:
+        try:
+            unit()
+            self.host_wait()
+        except BaseException as error:  # noqa: BLE001 - kept on the event: the batch fails
+            return PassedEvent(error)
+        return PassedEvent()
+
+    def host_wait(self) -> None:
+        """Inside a unit: wait for the copies it issued so far (on CPU they already ran)."""
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def compute_fence(self) -> CopyEvent | None:
+        return None
 
     def synchronize(self) -> None:
-        """Wait until every copy this engine issued is complete."""
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadCopyEngine:
+    """Units run later, in submission order, on the engine's own thread (see the module docstring)."""
+
+    name = "thread"
+
+    def __init__(self, delay_us: int = 0):
+        self.delay_s = delay_us / 1e6
+        self._queue: deque[tuple[Unit, _ThreadEvent]] = deque()
+        self._condition = threading.Condition()
+        self._closed = False
+        self._last: CopyEvent = PassedEvent()
+        self._thread = threading.Thread(target=self._run, name="tiered_kv-copy-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, unit: Unit) -> CopyEvent:
+        event = _ThreadEvent()
+        with self._condition:
+            if self._closed:
+                event.pass_(RuntimeError("the copy engine is closed; the copy did not run"))
+                return event
+            self._queue.append((unit, event))
+            self._last = event
+            self._condition.notify()
+        return event
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._queue and not self._closed:
+                    self._condition.wait()
+                if not self._queue:
+                    return
+                unit, event = self._queue.popleft()
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            error = None
+            try:
+                unit()
+            except BaseException as caught:  # noqa: BLE001 - kept on the event: the batch fails
+                error = caught
+            event.pass_(error)
+
+    def host_wait(self) -> None:
+        """Inside a unit (on the engine's thread): its copies so far are done (they ran in line)."""
+
+    def compute_fence(self) -> CopyEvent | None:
+        return None
+
+    def synchronize(self) -> None:
+        with self._condition:
+            last = self._last
+        last.wait()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread (joined; a unit running now finishes first)."""
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class CudaCopyEngine:
+    """Units issue their device copies on a side stream (see the module docstring)."""
+
+    name = "cuda"
+
     def __init__(self, device: torch.device):
         self.device = device
         self.side_stream = torch.cuda.Stream(device=device)
-        self._pending = torch.cuda.Event()
-        self._has_pending = False
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        compute = torch.cuda.current_stream(self.device)
-        # the copy must see everything compute wrote to src before this point
-        self.side_stream.wait_stream(compute)
-        with torch.cuda.stream(self.side_stream):
-            dst.copy_(src, non_blocking=True)
-            for tensor in (dst, src):
-                if tensor.is_cuda:
-                    tensor.record_stream(self.side_stream)
-        self._pending.record(self.side_stream)
-        self._has_pending = True
-
-    @contextlib.contextmanager
-    def ordered(self):
-        """Copies and device ops issued inside run on the side stream after everything the
-        current (compute) stream queued before, and count as pending until they are done (the
-        same rules as `copy`). Tensors the unit allocates inside belong to the side stream; the
-        ones it reads or writes from outside must outlive it (slabs and staging do)."""
+    def submit(self, unit: Unit) -> CopyEvent:
+        # the unit's copies must see everything compute queued before (K/V written this step)
         self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(self.side_stream):
-                yield
-        finally:
-            self._pending.record(self.side_stream)
-            self._has_pending = True
+        error = None
+        with torch.cuda.stream(self.side_stream):
+            try:
+                unit()
+            except BaseException as caught:  # noqa: BLE001 - kept on the event: the batch fails
+                error = caught
+            event = torch.cuda.Event()
+            event.record(self.side_stream)
+        return _CudaEvent(event, error)
 
-    def before_host_read(self) -> None:
-        if self._has_pending:
-            self._pending.synchronize()
+    def host_wait(self) -> None:
+        """Inside a unit: the host waits for the unit's device copies so far (before it reads or
+        overwrites host memory they use)."""
+        self.side_stream.synchronize()
 
-    def before_device_use(self) -> None:
-        if self._has_pending:
-            torch.cuda.current_stream(self.device).wait_event(self._pending)
-
-    def stream_context(self):
-        # copies issued inside (tier read/write helpers included) run on the side stream, after
-        # whatever the default (compute) stream queued before them
-        self.side_stream.wait_stream(torch.cuda.default_stream(self.device))
-        return torch.cuda.stream(self.side_stream)
+    def compute_fence(self) -> CopyEvent | None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return _CudaEvent(event, None)
 
     def synchronize(self) -> None:
         self.side_stream.synchronize()
 
-    def after_host_to_device(self) -> None:
-        # the compute stream's non_blocking copies out of pinned host memory must finish first
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
-        done.synchronize()
+    def close(self) -> None:
+        self.side_stream.synchronize()
 
 
-def make_copy_engine(device: torch.device):
-    return CudaCopyEngine(device) if device.type == "cuda" else CpuCopyEngine()
+def make_copy_engine(device: torch.device, engine: str = "auto", delay_us: int = 0):
+    """The engine config `copies.engine` names: auto = the CUDA engine on a CUDA device, else sync."""
+    if engine == "thread":
+        return ThreadCopyEngine(delay_us)
+    if engine == "sync":
+        return SyncCopyEngine(device)
+    return CudaCopyEngine(device) if torch.device(device).type == "cuda" else SyncCopyEngine(device)

@@ -53,6 +53,7 @@ class MeasuredLinkMonitor:
         self.window_s = window_s
         self._events: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()  # the mover and the banks' threads both record
+        self.closed = False
 
     def record(self, num_bytes: int) -> None:
         now = time.monotonic()
@@ -72,7 +73,7 @@ class MeasuredLinkMonitor:
         return min(1.0, moved / self.window_s / self.peak_bytes_per_s)
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 class NvmlLinkMonitor(MeasuredLinkMonitor):
@@ -110,7 +111,11 @@ class NvmlLinkMonitor(MeasuredLinkMonitor):
         return self._last  # sampled by the thread; reading it costs nothing
 
     def close(self) -> None:
+        """Stop the sampler thread and wait for it (it wakes every sample_interval_s)."""
+        self.closed = True
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 def make_link_monitor(device) -> MeasuredLinkMonitor:

@@ -20,7 +20,7 @@ import bisect
 import threading
 import time
 
-from ..scheduler.plan import TIER_NAMES
+from ..blocks import TIER_NAMES
 
 # seconds: 10 us (a warm block read) .. 30 s (a turn's TTFT over a long cold history)
 SECONDS_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
@@ -205,6 +205,8 @@ class Metrics:
         self.relocations = c("relocations_total", "Blocks moved within the hot tier by compaction")
         self.move_seconds = c("on_demand_move_seconds_total",
                               "Seconds callers waited for moves, by direction", ("direction",))
+        self.failed_moves = c("failed_moves_total", "Moves that did not happen because their batch's copy raised "
+                              "(the blocks stayed where they were), by mode and error", ("mode", "error"))
         self.copy_seconds = h("copy_seconds", "Duration of one copy between tiers (one block or one batch)",
                               ("src", "dst"))
         # the tiers' own reads and writes

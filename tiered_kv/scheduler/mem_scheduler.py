@@ -34,7 +34,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ..block_index import NO_TIER, NUM_TIERS, BlockIndex
+from ..block_index import BlockIndex
+from ..blocks import NUM_TIERS
 from ..config import ALLOWED_POLICIES, SchedulerConfig
 from .access_log import AccessLog
 from .plan import COLD, DROPPED, HOT, WARM, Move, Plan
@@ -101,7 +102,7 @@ class _Simulation:
     def tier(self, block_id: int) -> int:
         if block_id in self.tier_of:
             return self.tier_of[block_id]
-        return self.index.get(block_id).tier if block_id in self.index else NO_TIER
+        return self.index.get(block_id).tier if block_id in self.index else DROPPED
 
     def _still_here(self, block_id: int, tier: int) -> bool:
         return self.tier(block_id) == tier and self.is_movable(block_id)
@@ -246,7 +247,7 @@ class MemScheduler:
         sim = self._simulation(index, free_slots, capacities, _movable(frozenset(block_ids), is_pinned))
         for block_id in block_ids:
             tier = sim.tier(block_id)
-            if tier == HOT or tier == NO_TIER:  # already hot, or corrupt (no data to move)
+            if tier == HOT or tier == DROPPED:  # already hot, or corrupt (no data to move)
                 continue
             if is_pinned is not None and is_pinned(block_id):  # another chat's running step reads it there
                 continue
@@ -273,7 +274,7 @@ class MemScheduler:
         sim = self._simulation(index, free_slots, capacities, _movable(frozenset(block_ids), is_pinned))
         for block_id in block_ids:
             tier = sim.tier(block_id)
-            if tier == NO_TIER or tier >= dst_tier or (is_pinned is not None and is_pinned(block_id)):
+            if tier == DROPPED or tier >= dst_tier or (is_pinned is not None and is_pinned(block_id)):
                 continue
             if not sim.make_room(dst_tier, 1):
                 break

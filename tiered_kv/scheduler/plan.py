@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-HOT, WARM, COLD = 0, 1, 2
-TIER_NAMES = ("hot", "warm", "cold")
-DROPPED = -1  # destination of an eviction: the block's data is discarded (only unreferenced cached blocks)
+from ..blocks import COLD, DROPPED, HOT, TIER_NAMES, WARM  # noqa: F401  (tier ids live in blocks.py)
 
 
 @dataclass(frozen=True)

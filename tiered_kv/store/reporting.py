@@ -1,15 +1,43 @@
-"""What a store reports: tier use, hits, misses, bytes moved, link saturation (stats()).
+"""Reporting: what a store tells about itself — `stats()`, the cheap counters a trace reads at every
+step, the scratch buffers `diagnose` measures.
 
-Mixed into TierStore; read under the store lock.
+Every move, hit and byte figure is read from the store's `Metrics` (tiered_kv/metrics/), the one
+bookkeeping of them; tier use from the slot pools. Callers of `stats()` and `counters()` need not
+hold the store lock: these take it.
 """
 
 from __future__ import annotations
 
-from ..scheduler import COLD, HOT, TIER_NAMES, WARM
+from typing import NamedTuple
+
+from ..blocks import COLD, HOT, TIER_NAMES, WARM, tier_counts
+from ..metrics.registry import BACKGROUND, ON_DEMAND
+
+
+def count_turn_start(metrics, tiers) -> None:
+    """A turn began needing blocks found in `tiers` (an int array): the per-tier hit-rate figures."""
+    for tier, count in tier_counts([(tiers, None)]).items():
+        metrics.turn_blocks.inc((TIER_NAMES[tier],), count)
+
+
+class Counters(NamedTuple):
+    """A snapshot of a store's cheap counters (tiered_kv/trace reads one per step)."""
+
+    used_blocks: tuple[int, ...]  # per tier, in TIER_NAMES order
+    capacity_blocks: tuple[int, ...]
+    bytes_moved: dict[str, int]  # cumulative, per direction ("hot->warm": bytes)
+    num_moves: dict[str, int]  # cumulative promotions, demotions, evictions (blocks)
+    bytes_background: int  # cumulative bytes the background mover moved
+    turn_blocks_by_tier: dict[str, int]  # blocks turns began needing, by the tier they were found in
+    turn_blocks: int
 
 
 class Reporting:
-    # ---- counters, read back from the store's metrics (tiered_kv/metrics/registry.py) ----------
+    def __init__(self, store):
+        self.store = store
+        self.metrics = store.metrics
+
+    # ---- counters, read from the metrics --------------------------------------------------------
     @property
     def hits(self) -> dict[str, int]:
         """Blocks found by banks' steps, by the tier each was in."""
@@ -20,7 +48,7 @@ class Reporting:
         return int(self.metrics.misses.value())
 
     @property
-    def turn_hits(self) -> dict[str, int]:
+    def turn_blocks_by_tier(self) -> dict[str, int]:
         """Blocks turns needed, by the tier each was in when its turn began."""
         return {name: int(self.metrics.turn_blocks.value((name,))) for name in TIER_NAMES}
 
@@ -29,81 +57,138 @@ class Reporting:
         return int(self.metrics.turn_blocks.total())
 
     @property
-    def bytes_moved(self) -> dict:
-        if self._executor is None:
-            return {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
-        return self._executor.bytes_moved
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes moved per direction ("hot->warm": n), on demand and background together."""
+        out = {f"{a}->{b}": 0 for a in TIER_NAMES for b in TIER_NAMES if a != b}
+        for (src, dst, _), num_bytes in self.metrics.bytes_moved.snapshot_values():
+            out[f"{src}->{dst}"] += int(num_bytes)
+        return out
 
+    def bytes_in_mode(self, mode: str) -> int:
+        return int(sum(n for (_, _, m), n in self.metrics.bytes_moved.snapshot_values() if m == mode))
+
+    @property
+    def num_moves(self) -> dict[str, int]:
+        m = self.metrics
+        return {"promotions": int(m.promotions.value()), "demotions": int(m.demotions.value()),
+                "evictions": int(m.evictions.value())}
+
+    @property
+    def move_seconds(self) -> dict[str, float]:
+        seconds = self.metrics.move_seconds
+        return {"demote": seconds.value(("demote",)), "promote": seconds.value(("promote",))}
+
+    def counters(self) -> Counters:
+        """The cheap counters (pools and running totals; never the whole stats())."""
+        store = self.store
+        with store.lock:
+            pools = store.state.pools
+            return Counters(
+                used_blocks=tuple(pool.num_used for pool in pools) or (0,) * len(TIER_NAMES),
+                capacity_blocks=tuple(pool.num_slots for pool in pools) or (0,) * len(TIER_NAMES),
+                bytes_moved=self.bytes_moved, num_moves=self.num_moves,
+                bytes_background=self.bytes_in_mode(BACKGROUND),
+                turn_blocks_by_tier=self.turn_blocks_by_tier, turn_blocks=self.turn_blocks)
+
+    def contiguity(self, tables: list[list[int]]) -> float:
+        """One chat's contiguity (compaction.py): 1.0 when it has no hot block."""
+        store = self.store
+        with store.lock:
+            if not store.is_bound or store.is_closed:
+                return 1.0
+            return store.compaction.contiguity(tables)
+
+    def check_consistency(self) -> list[str]:
+        """What is wrong between the index, the pools, pins and transfers ([] when nothing is): every
+        used slot belongs to one block, a reservation of a move in flight, a quarantined corrupt
+        block or a deferred free (StoreState.check_consistent). Tests call it after every fault."""
+        store = self.store
+        with store.lock:
+            if not store.is_bound or store.is_closed:
+                return []
+            store.state.drain()
+            return store.state.check_consistent()
+
+    # ---- stats() -----------------------------------------------------------------------------------
     def stats(self) -> dict:
-        with self.lock:
-            self.drain_deferred()
+        store = self.store
+        with store.lock:
+            bound = store.is_bound and not store.is_closed
+            if bound:
+                store.state.drain()
             tiers = {}
             for t, name in enumerate(TIER_NAMES):
-                device = str(self.device) if t == HOT else ("cpu (pinned)" if self.pinned else "cpu") if t == WARM \
+                device = str(store.device) if t == HOT else ("cpu (pinned)" if store.pinned else "cpu") if t == WARM \
                     else "file"
-                if not self.is_bound or self._closed:
+                if not bound:
                     tiers[name] = {"used_blocks": 0, "capacity_blocks": 0, "used_bytes": 0, "capacity_bytes": 0,
                                    "device": device}
                     continue
-                pool = self.pools[t]
+                pool = store.state.pools[t]
                 if t == COLD:
-                    device = getattr(self.tiers[COLD], "file_path", None) or (
-                        f"unavailable: {self.cold_unavailable}" if self.cold_unavailable else "disabled")
+                    cold = store.state.tiers[COLD]
+                    device = getattr(cold, "file_path", None) or (
+                        f"unavailable: {store.cold_unavailable}" if store.cold_unavailable else "disabled")
                 tiers[name] = {"used_blocks": pool.num_used, "capacity_blocks": pool.num_slots,
-                               "used_bytes": pool.num_used * self.layout.block_bytes,
-                               "capacity_bytes": pool.num_slots * self.layout.block_bytes, "device": device}
-            # the block size in use, and whether `block_size: auto` chose it
-            block_size = {"tokens": self.config.block_size, "auto": self.config.block_size_is_auto}
-            out = {"tiers": tiers, "block_size": block_size, "hits": dict(self.hits), "misses": self.misses,
-                   "bytes_moved": dict(self.bytes_moved), "link_saturation": self.link_monitor.saturation()}
+                               "used_bytes": pool.num_used * store.layout.block_bytes,
+                               "capacity_bytes": pool.num_slots * store.layout.block_bytes, "device": device}
+            block_size = {"tokens": store.config.block_size, "auto": store.config.block_size_is_auto}
+            out = {"tiers": tiers, "block_size": block_size, "hits": self.hits, "misses": self.misses,
+                   "bytes_moved": self.bytes_moved, "link_saturation": store.link_monitor.saturation()}
             out.update(self._scheduler_stats())
-            out.update(self.layout_stats())  # fragmentation, contiguity, contiguity_min (layout.py)
+            out.update(store.compaction.layout_stats() if bound else
+                       {"fragmentation": 0.0, "contiguity": 1.0, "contiguity_min": 1.0})
+            out["copies"] = {"engine": store.copy_engine.name, "in_flight_blocks": len(store.state.in_flight),
+                             "deferred_frees": store.state.num_deferred_frees,
+                             "failed_moves": int(self.metrics.failed_moves.total())}
             out["metrics"] = self.metrics.snapshot()  # every counter and histogram (tiered_kv/metrics/)
             # the shared remote tier: hits, misses, bytes in and out, errors, latency (None: off)
-            out["remote"] = self.remote.stats() if self.remote is not None else None
+            out["remote"] = store.remote.stats() if store.remote is not None else None
             return out
-
-    def scratch_buffers(self) -> dict:
-        """The store's preallocated copy buffers beside the tier slabs (None: not allocated):
-        staging_host (moves into and out of cold), staging_device (hot<->warm batches, CUDA),
-        mover_staging_host and mover_staging_device (the background mover's own)."""
-        with self.lock:
-            executor, mover = self._executor, self._mover
-            return {
-                "staging_host": executor.staging if executor is not None else None,
-                "staging_device": executor.block_copier.staging if executor is not None else None,
-                "mover_staging_host": mover.staging if mover is not None else None,
-                "mover_staging_device": mover.block_copier.staging if mover is not None else None,
-            }
 
     def _scheduler_stats(self) -> dict:
         """Hit rates per tier, moves by direction, background vs on-demand bytes, critical-path
         seconds, and the scheduler's current view (ALI of the live chats, BS, CS)."""
-        turn_blocks, turn_hits = self.turn_blocks, self.turn_hits
-        executor = self._executor
-        moves = dict(executor.num_moves) if executor is not None else {"promotions": 0, "demotions": 0, "evictions": 0}
-        move_s = dict(executor.move_s) if executor is not None else {"demote": 0.0, "promote": 0.0}
-        mover = self._mover
-        log = self.access_log
+        store = self.store
+        turn_blocks, by_tier = self.turn_blocks, self.turn_blocks_by_tier
+        move_s = self.move_seconds
+        mover = store.mover
+        log = store.access_log
         return {
-            "hit_rate": {name: (turn_hits[name] / turn_blocks if turn_blocks else None) for name in TIER_NAMES},
+            "hit_rate": {name: (by_tier[name] / turn_blocks if turn_blocks else None) for name in TIER_NAMES},
             "turn_blocks": turn_blocks,
-            "moves": moves,
-            "bytes_on_demand": executor.bytes_on_demand if executor is not None else 0,
-            "bytes_background": executor.bytes_background if executor is not None else 0,
+            "moves": self.num_moves,
+            "bytes_on_demand": self.bytes_in_mode(ON_DEMAND),
+            "bytes_background": self.bytes_in_mode(BACKGROUND),
             "critical_path": {"move_s": move_s["demote"] + move_s["promote"], "demote_s": move_s["demote"],
                               "promote_s": move_s["promote"]},
             "scheduler": {
-                "policy": self.scheduler.policy,
+                "policy": store.scheduler.policy,
                 "store_steps": log.now,
                 "ali_window_steps": log.window_steps,
                 "chats": {owner: {"ali": log.chat_ali(owner), "cost_sensitivity": chat.cost_sensitivity,
                                   "last_step": chat.last_step} for owner, chat in log.chats.items()},
-                "link_saturation": self.link_monitor.saturation(),
-                "link_monitor": self.link_monitor.name,
-                "bs_threshold": self.config.scheduler.bs_threshold,
+                "link_saturation": store.link_monitor.saturation(),
+                "link_monitor": store.link_monitor.name,
+                "bs_threshold": store.config.scheduler.bs_threshold,
                 "background": mover is not None,
                 "background_batches": mover.num_batches if mover is not None else 0,
                 "background_cancelled": mover.num_cancelled if mover is not None else 0,
             },
         }
+
+    def scratch_buffers(self) -> dict:
+        """The store's preallocated copy buffers beside the tier slabs (None: not allocated):
+        staging_host (on-demand moves into and out of cold), staging_device (on-demand hot<->warm
+        batches, CUDA), mover_staging_host and mover_staging_device (the background mover's)."""
+        store = self.store
+        with store.lock:
+            staging = store.transfers.staging if store.transfers is not None else {}
+            on_demand, background = staging.get(ON_DEMAND), staging.get(BACKGROUND)
+            return {
+                "staging_host": on_demand.host if on_demand is not None else None,
+                "staging_device": on_demand.copier.staging if on_demand is not None else None,
+                "mover_staging_host": background.host if background is not None and store.mover is not None else None,
+                "mover_staging_device": background.copier.staging if background is not None and store.mover is not None
+                else None,
+            }

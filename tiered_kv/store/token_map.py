@@ -1,8 +1,9 @@
 """Token-to-slot mapping: where a step's tokens live, and one layer's K/V read and written there.
 
-A step maps its tokens once (at layer 0) into `TierRun`s, one per tier holding some of them;
-every layer then reads and writes through those runs. The mapping stays valid for the whole
-step because the step's blocks are pinned (no other thread may move them until it ends).
+A step maps its tokens once (when its lease opens) into `TierRun`s, one per tier holding some of
+them; every layer then reads and writes through those runs, without the store lock. The mapping
+stays valid for the whole step because the step's blocks are pinned (no other thread may move
+them until its lease ends), and every move into them completed before the lease was handed out.
 """
 
 from __future__ import annotations
@@ -12,15 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..block_index import NO_TIER
+from ..blocks import COLD, DROPPED, HOT, TIER_NAMES, WARM
 from ..errors import CorruptBlockError
 from ..metrics.registry import Metrics
-from ..scheduler import COLD, HOT, TIER_NAMES, WARM
 
 
 def raise_if_corrupt(block_tiers: np.ndarray, labels: np.ndarray, what: str) -> None:
     """CorruptBlockError naming the corrupt ones (their `labels`) when any block holds no data."""
-    bad = block_tiers == NO_TIER
+    bad = block_tiers == DROPPED
     if bad.any():
         raise CorruptBlockError(f"{what} {sorted(set(labels[bad].tolist()))} failed their checksum and must be "
                                 "recomputed")
@@ -38,14 +38,12 @@ class TierRun:
 class TokenMapper:
     """Builds TierRuns from block placements and moves one layer's K/V through them."""
 
-    def __init__(self, tiers: list, layout, device: torch.device, dtype: torch.dtype, copy_engine,
-                 metrics: Metrics | None = None):
+    def __init__(self, tiers: list, layout, device: torch.device, dtype: torch.dtype, metrics: Metrics | None = None):
         self.tiers = tiers
         self.metrics = metrics if metrics is not None else Metrics(enabled=False)
         self.layout = layout
         self.device = device
         self.dtype = dtype
-        self.copy_engine = copy_engine
 
     def map_range(self, tiers: np.ndarray, slots: np.ndarray, start_token: int, end_token: int) -> list[TierRun]:
         """Runs for tokens [start_token, end_token) of a sequence whose blocks lie at
@@ -125,7 +123,6 @@ class TokenMapper:
             return
         start = None
         if run.tier != HOT:
-            self.copy_engine.before_host_read()
             start = self.metrics.read_seconds.start()
         try:
             self.tiers[run.tier].read_tokens_into(layer, run.index, out)
@@ -138,7 +135,6 @@ class TokenMapper:
     def _read_tokens(self, tier: int, layer: int, index) -> torch.Tensor:
         start = None
         if tier != HOT:
-            self.copy_engine.before_host_read()
             start = self.metrics.read_seconds.start()
         try:
             data = self.tiers[tier].read_tokens(layer, index)
@@ -153,6 +149,4 @@ class TokenMapper:
         """Store `kv` (`[2, H, t, D]`) for the mapped tokens of one layer, wherever they live."""
         for run in runs:
             part = kv if run.positions is None else kv.index_select(2, run.positions)
-            if run.tier != HOT:
-                self.copy_engine.before_host_read()
             self.tiers[run.tier].write_tokens(layer, run.index, part)

@@ -6,6 +6,10 @@ Format (versioned; cold_format.py): file `kv-v1-<layout>.blocks`, opened through
 then, not mid-chat). Slot s's record starts at s * record_stride_bytes (4 KiB aligned) and holds the
 block's `[L, 2, H, bs, D]` bytes, then a header (key, root, one XXH3-64 per layer slice).
 
+Threads: steps read and write their (pinned) blocks without the store lock while copies and the
+durable writer use other slots; per-call scratch comes from a pool, and every read and write runs
+under an I/O guard that `close` waits on before it closes the file (shared_io.py).
+
 Reads check every layer slice against its checksum: a slice that fails, and a record that cannot be
 read whole (truncated file, failed read), raise CorruptBlockError with `.slot` set: never served,
 recomputed instead. A slice never written since its slot was taken is never served as tokens; whole
@@ -39,8 +43,10 @@ from .cold_files import ColdDirectory
 from .cold_format import ALIGN_BYTES, checksum, layout_signature  # noqa: F401  (re-exported for tests and tools)
 from .cold_durable import DurableRecords, DurableWriter, _Op
 from .cold_index import ColdIndex
+from .shared_io import IoGuard, ScratchPool
 
 log = logging.getLogger(__name__)
+CLOSE_WAIT_S = 30.0  # close() waits this long for reads and writes still running on other threads
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": np.uint16}
 
 
@@ -76,9 +82,9 @@ class ColdTier(DurableRecords):
         self._file = directory.open_preallocated(fmt.block_file_name(layout), num_slots * self.record_stride_bytes)
         self.file_path = self._file.path
         self._fd = self._file.fd
+        self._guard = IoGuard(f"cold tier {self.file_path}")
         # checksum of each layer slice of each slot, and whether that slice holds written data
         self.checksums = np.zeros((num_slots, layout.num_layers), dtype=np.uint64)
-        self._batch = None  # layer slices of a read_tokens batch and their byte views (_batch_scratch)
         self.valid = np.zeros((num_slots, layout.num_layers), dtype=bool)
         # durable: the slot has (or a queued persist will give it) an index row; generation: bumped
         # whenever that stops being true, so a queued persist of an older generation is dropped
@@ -86,7 +92,9 @@ class ColdTier(DurableRecords):
         self._generation = np.zeros(num_slots, dtype=np.int64)
         self._state_lock = threading.Lock()
         self._write_warnings = Throttle(log)  # failed header writes / syncs / commits (a full disk repeats)
-        self._layer_buffer = np.empty((2, layout.num_kv_heads, layout.block_size, layout.head_dim), self._np_dtype)
+        self._slice_shape = (2, layout.num_kv_heads, layout.block_size, layout.head_dim)
+        self._slot_locks = [threading.Lock() for _ in range(64)]  # striped: a slice's write vs its reads
+        self._scratch = ScratchPool(lambda: _Scratch(self._slice_shape, self._np_dtype, layout.layer_bytes))
         self._zero_tail = np.zeros(self.record_stride_bytes - layout.block_bytes, dtype=np.uint8)
         self._zero_header = self._zero_tail[-fmt.header_bytes(layout):]
         layout_text = "x".join(str(v) for v in (layout.num_layers, layout.num_kv_heads, layout.head_dim,
@@ -107,6 +115,11 @@ class ColdTier(DurableRecords):
     def capacity_bytes(self) -> int:
         return self.num_slots * self.layout.block_bytes
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the block file (preallocated at start)."""
+        return os.fstat(self._fd).st_size if self._fd is not None else 0
+
     def _offset(self, slot: int, layer: int = 0) -> int:
         return slot * self.record_stride_bytes + layer * self.layout.layer_bytes
 
@@ -119,8 +132,11 @@ class ColdTier(DurableRecords):
         preallocated staging) when given, so large promotions fault in no fresh pages."""
         if out is None:
             out = self._to_torch(np.empty((len(slots), *self.layout.record_shape()), dtype=self._np_dtype))
-        result = out
-        out = self._to_numpy(out)  # a view: reads land in `result`
+        with self._guard:
+            self._read_blocks_into(slots, self._to_numpy(out))  # a view: reads land in `out`
+        return out
+
+    def _read_blocks_into(self, slots: list[int], out: np.ndarray) -> None:
         i = 0
         while i < len(slots):
             slot = slots[i]
@@ -144,12 +160,15 @@ class ColdTier(DurableRecords):
         touched = [int(s) for s in slots if self._durable[s]]
         if touched:
             self._writer.enqueue([_Op("touch", s) for s in touched])
-        return result
 
     def write_blocks(self, slots: list[int], data: torch.Tensor) -> None:
         """Whole records, their headers zeroed in the same pwritev (not durable until `persist`).
         ColdWriteError when the disk refuses; that slot is then unwritten."""
         host = self._to_numpy(data)
+        with self._guard:
+            self._write_records(slots, host)
+
+    def _write_records(self, slots: list[int], host: np.ndarray) -> None:
         self._withdraw(slots, zero_header=False)  # the writes below zero the headers
         for i, slot in enumerate(slots):
             record = host[i]
@@ -175,7 +194,8 @@ class ColdTier(DurableRecords):
     def forget(self, slots: list[int]) -> None:
         """Slots were freed: their bytes are no longer a block, and no durable row names them."""
         self.valid[slots] = False
-        self._withdraw(slots, zero_header=True)
+        with self._guard:
+            self._withdraw(slots, zero_header=True)
 
     # ---- tokens of one layer ---------------------------------------------------------------
     def token_index(self, slots, offsets):
@@ -194,7 +214,8 @@ class ColdTier(DurableRecords):
         num_tokens, _ = index
         out = self._to_torch(np.empty((2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim),
                                       dtype=self._np_dtype))
-        self._read_tokens_host(layer, index, out)
+        with self._guard, self._scratch.take() as scratch:
+            self._read_tokens_host(layer, index, out, scratch)
         return out
 
     def read_tokens_into(self, layer: int, index, out: torch.Tensor) -> None:
@@ -202,34 +223,31 @@ class ColdTier(DurableRecords):
         if out.device.type != "cpu":
             out.copy_(self.read_tokens(layer, index))
             return
-        self._read_tokens_host(layer, index, out)
+        with self._guard, self._scratch.take() as scratch:
+            self._read_tokens_host(layer, index, out, scratch)
 
-    def _read_tokens_host(self, layer: int, index, out: torch.Tensor) -> None:
+    def _read_tokens_host(self, layer: int, index, out: torch.Tensor, scratch: "_Scratch") -> None:
         """The hot loop of a turn over cold history: per block, one preadv and one XXH3 of its
         slice of this layer (the general read path only when a read comes back short), into a
         batch buffer; then one copy of the batch into `out` (a CPU tensor) when the blocks are
         whole and in order."""
         _, groups = index
         entries = list(groups.items())
-        batch, views = self._batch_scratch(len(entries))
+        batch, views = scratch.batch(len(entries))
         valid, sums = self.valid[:, layer].tolist(), self.checksums[:, layer].tolist()
         slice_bytes, base, stride = self.layout.layer_bytes, layer * self.layout.layer_bytes, self.record_stride_bytes
         fd = self.io.fd if isinstance(self.io, PosixBlockIO) else None
         pread, digest = os.preadv, xxhash.xxh3_64_intdigest
         for i, (slot, _) in enumerate(entries):  # ~7,000 iterations a turn at 4k tokens: kept tight
-            if not valid[slot]:  # served KV must have been written: never zeros
-                raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} holds no written data "
-                                          f"in {self.file_path}")
             view = views[i]
             try:
-                complete = fd is not None and pread(fd, [view], slot * stride + base) == slice_bytes
+                complete = valid[slot] and fd is not None and pread(fd, [view], slot * stride + base) == slice_bytes
             except OSError:
                 complete = False
-            if not complete:  # the general path reads again, and says why when it cannot
-                self._read_bytes(slot, layer, batch[i])
-            if digest(view) != sums[slot]:
-                raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} failed its checksum (XXH3-64) "
-                                          f"check in {self.file_path}")
+            if not complete or digest(view) != sums[slot]:
+                # read again with the slot's lock: a step may have been writing this very slice (its
+                # new tokens in the tail block) meanwhile; the general path says why when it still fails
+                self._read_slice_locked(slot, layer, batch[i])
         bs = self.layout.block_size
         first = entries[0][1][0] if entries and isinstance(entries[0][1], tuple) else None
         if first is not None and all(isinstance(items, tuple) and items == (first + i * bs, 0, bs)
@@ -248,29 +266,35 @@ class ColdTier(DurableRecords):
                 positions, offsets = _positions_and_offsets(items)
                 out_np[:, :, positions] = batch[i][:, :, offsets]
 
-    def _batch_scratch(self, num_blocks: int) -> tuple[np.ndarray, list[memoryview]]:
-        """`[>= num_blocks, 2, H, bs, D]` and a byte view of each row, reused (callers hold the
-        store lock)."""
-        if self._batch is None or len(self._batch[0]) < num_blocks:
-            batch = np.empty((max(num_blocks, 64), *self._layer_buffer.shape), dtype=self._np_dtype)
-            flat, size = memoryview(batch.reshape(-1).view(np.uint8)), self.layout.layer_bytes
-            self._batch = (batch, [flat[i * size:(i + 1) * size] for i in range(len(batch))])
-        return self._batch
-
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
         _, groups = index
         host = self._to_numpy(kv)
-        self._withdraw(list(groups), zero_header=True)  # a changed record is no longer the durable one
-        for slot, items in groups.items():
-            self._read_layer_slice(slot, layer, self._layer_buffer)  # read-modify-write of one slice
-            positions, offsets = _positions_and_offsets(items)
-            self._layer_buffer[:, :, offsets] = host[:, :, positions]
-            self.valid[slot, layer] = False
-            with self._naming_the_file():
-                self.io.write_from(self._layer_buffer, self._offset(slot, layer))
-            self.checksums[slot, layer] = checksum(self._layer_buffer)
-            self.valid[slot, layer] = True
+        with self._guard, self._scratch.take() as scratch:
+            self._withdraw(list(groups), zero_header=True)  # a changed record is no longer the durable one
+            buffer = scratch.layer_buffer
+            for slot, items in groups.items():
+                with self._slot_lock(slot):  # a read of this slice (the stream worker's) waits for it
+                    self._read_layer_slice(slot, layer, buffer)  # read-modify-write of one slice
+                    positions, offsets = _positions_and_offsets(items)
+                    buffer[:, :, offsets] = host[:, :, positions]
+                    self.valid[slot, layer] = False
+                    with self._naming_the_file():
+                        self.io.write_from(buffer, self._offset(slot, layer))
+                    self.checksums[slot, layer] = checksum(buffer)
+                    self.valid[slot, layer] = True
         self._dirty = True
+
+    def _slot_lock(self, slot: int) -> threading.Lock:
+        return self._slot_locks[slot % len(self._slot_locks)]
+
+    def _read_slice_locked(self, slot: int, layer: int, out: np.ndarray) -> None:
+        """A slice as written and checked, with no write of the slot running meanwhile; never zeros."""
+        with self._slot_lock(slot):
+            if not self.valid[slot, layer]:  # served KV must have been written
+                raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} holds no written data "
+                                          f"in {self.file_path}")
+            self._read_bytes(slot, layer, out)
+            self._check(slot, layer, out)
 
     def _read_layer_slice(self, slot: int, layer: int, out: np.ndarray) -> None:
         """A slice as written, checked; zeros for a slice never written since the slot was taken
@@ -307,12 +331,13 @@ class ColdTier(DurableRecords):
     def verify(self, slots: list[int]) -> list[int]:
         """Read each slot back and check every layer's checksum. Returns the slots that fail."""
         bad = []
-        for slot in slots:
-            try:
-                for layer in range(self.layout.num_layers):
-                    self._read_layer_slice(slot, layer, self._layer_buffer)
-            except CorruptBlockError:
-                bad.append(slot)
+        with self._guard, self._scratch.take() as scratch:
+            for slot in slots:
+                try:
+                    for layer in range(self.layout.num_layers):
+                        self._read_layer_slice(slot, layer, scratch.layer_buffer)
+                except CorruptBlockError:
+                    bad.append(slot)
         return bad
 
     # ---- conversions -----------------------------------------------------------------------
@@ -344,8 +369,14 @@ class ColdTier(DurableRecords):
                                  f"first: {first}")
 
     def close(self) -> None:
-        """Flush (failures are logged), stop the writer thread, close the index and the file."""
+        """Refuse new reads and writes and wait for running ones (CLOSE_WAIT_S at most), flush
+        (failures are logged), stop the writer thread, close the index and the file."""
         if self._fd is None:
+            return
+        if not self._guard.close_when_idle(CLOSE_WAIT_S):  # a read still runs: never pull its descriptor
+            log.warning("cold tier %s: I/O still running %.0f s after close; the file stays open", self.file_path,
+                        CLOSE_WAIT_S)
+            self._writer.stop()
             return
         try:
             errors = self._writer.stop()
@@ -357,6 +388,24 @@ class ColdTier(DurableRecords):
                 self.io.close()
             os.close(self._fd)
             self._fd = None
+
+
+class _Scratch:
+    """One caller's scratch: a layer slice for read-modify-write and checks, and a batch of slices
+    (with a byte view of each) for a layer read, grown on demand."""
+
+    def __init__(self, slice_shape: tuple, dtype, slice_bytes: int):
+        self.layer_buffer = np.empty(slice_shape, dtype)
+        self._slice_shape, self._dtype, self._slice_bytes = slice_shape, dtype, slice_bytes
+        self._batch: tuple[np.ndarray, list[memoryview]] | None = None
+
+    def batch(self, num_blocks: int) -> tuple[np.ndarray, list[memoryview]]:
+        """`[>= num_blocks, 2, H, bs, D]` and a byte view of each row."""
+        if self._batch is None or len(self._batch[0]) < num_blocks:
+            batch = np.empty((max(num_blocks, 64), *self._slice_shape), dtype=self._dtype)
+            flat, size = memoryview(batch.reshape(-1).view(np.uint8)), self._slice_bytes
+            self._batch = (batch, [flat[i * size:(i + 1) * size] for i in range(len(batch))])
+        return self._batch
 
 
 def _positions_and_offsets(items) -> tuple[list[int], list[int]]:

@@ -33,6 +33,11 @@ class HotTier:
     def capacity_bytes(self) -> int:
         return self.num_slots * self.layout.block_bytes
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the slab as allocated (diagnose reports them beside the capacity)."""
+        return self.slab.numel() * self.slab.element_size() if self.slab is not None else 0
+
     def _slot_tensor(self, slots: list[int]) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.long, device=self.device)
 
@@ -50,6 +55,14 @@ class HotTier:
     def slots_view(self) -> torch.Tensor:
         """Every slot as a (strided) `[num_slots, L, 2, H, bs, D]` view, for batched block copies."""
         return self._blocks.permute(3, 0, 1, 2, 4, 5)
+
+    def kernel_view(self, layer: int, device: torch.device):
+        """`(K, V)` of layer `layer` as `[num_slots, H, bs, D]` views of the slab, for a kernel on
+        `device` that reads blocks where they lie (the paged decode kernel); None elsewhere."""
+        if self.slab is None or self.slab.device.type != torch.device(device).type:
+            return None
+        heads, bs, dim = self.layout.num_kv_heads, self.layout.block_size, self.layout.head_dim
+        return tuple(self.slab[layer, kv].view(heads, self.num_slots, bs, dim).permute(1, 0, 2, 3) for kv in (0, 1))
 
     def token_index(self, slots, offsets):
         """A slice when the tokens are one contiguous run of the slab, else a LongTensor."""

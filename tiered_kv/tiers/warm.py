@@ -32,6 +32,20 @@ class WarmTier:
     def capacity_bytes(self) -> int:
         return self.num_slots * self.layout.block_bytes
 
+    @property
+    def reserved_bytes(self) -> int:
+        return self.slab.numel() * self.slab.element_size() if self.slab is not None else 0
+
+    def kernel_view(self, layer: int, device: torch.device):
+        """`(K, V)` of layer `layer` as `[num_slots, H, bs, D]` views of the slab, for a kernel on
+        `device` that reads blocks in place: on CUDA only from a page-locked slab (through UVA);
+        None when the device cannot read it where it lies."""
+        if self.slab is None or not self.num_slots:
+            return None
+        if torch.device(device).type == "cuda" and not self.pinned:
+            return None
+        return self.slab[:, layer, 0], self.slab[:, layer, 1]
+
     def read_blocks(self, slots: list[int]) -> torch.Tensor:
         return self.slab.index_select(0, torch.tensor(slots, dtype=torch.long))
 

@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import os
 import time
 
 import torch
@@ -37,7 +36,7 @@ from .. import hooks
 from ..bank import CacheBank
 from ..blocks import layout_from_model_config, num_blocks_for
 from ..config import Config, load_config
-from ..scheduler import COLD, HOT, TIER_NAMES
+from ..blocks import HOT, TIER_NAMES
 from .diagnose_flags import Thresholds, find_flags
 from .diagnose_report import (ActivationFigures, BufferFigures, KVFigures, LayoutFigures, LinkFigures, ModelFigures,
                               ProcessFigures, Report, RunFigures, TierFigures)
@@ -171,10 +170,10 @@ def _measure(model, bank: CacheBank, ids: list[int], new_tokens: int, device_all
         device_allocated_after_bytes=torch.cuda.memory_allocated(device) if is_cuda else None,
         device_reserved_bytes=torch.cuda.memory_reserved(device) if is_cuda else None)
 
-    with store.lock:  # one consistent snapshot, even while the background mover runs
-        stats = bank.stats()
-        kv = _kv_figures(store, bank, stats, used_blocks_before)
-        buffers = {name: tensor_bytes(t) for name, t in store.scratch_buffers().items()}
+    store.wait_for_background()  # a settled store: the figures below describe one state
+    stats = bank.stats()
+    kv = _kv_figures(store, bank, stats, used_blocks_before)
+    buffers = {name: tensor_bytes(t) for name, t in store.reporting.scratch_buffers().items()}
     saturation_end = float(store.link_monitor.saturation())
     cfg = store.config
     return Report(
@@ -206,16 +205,13 @@ def _model_figures(model, layout) -> ModelFigures:
 
 def _reserved_bytes(store, tier: int) -> int:
     """Bytes the tier holds whatever is in it: its slab tensor, or its block file on disk."""
-    if tier == COLD:
-        cold = store.tiers[COLD]
-        return os.path.getsize(cold.file_path) if cold is not None else 0
-    return tensor_bytes(store.tiers[tier].slab)
+    return store.tiers[tier].reserved_bytes if store.tiers[tier] is not None else 0
 
 
 def _kv_figures(store, bank: CacheBank, stats: dict, used_blocks_before: list[int]) -> KVFigures:
-    """The KV figures, read from the store's tensors and pools (call under the store lock)."""
+    """The KV figures, read from the store's tiers and pools (of a settled store)."""
     block_size = store.layout.block_size
-    block_bytes = tensor_bytes(store.tiers[HOT].slab) // store.pools[HOT].num_slots
+    block_bytes = store.tiers[HOT].reserved_bytes // store.pools[HOT].num_slots
     if block_bytes != store.layout.block_bytes:  # a broken invariant of the hot slab, not a figure to report
         raise RuntimeError(f"diagnose: hot slab holds {block_bytes} bytes per slot; the layout says "
                            f"{store.layout.block_bytes}")

@@ -155,7 +155,7 @@ class TraceRecorder:
                                             "seq_tokens", "attach_s", "ttft_s", "decode_tokens_per_s", "turn_s")},
             "num_steps": self.step_in_turn,
             "turn_blocks": turn_blocks,
-            "hit_rate": {name: ((now.turn_hits[name] - base.turn_hits.get(name, 0)) / turn_blocks
+            "hit_rate": {name: ((now.turn_blocks_by_tier[name] - base.turn_blocks_by_tier.get(name, 0)) / turn_blocks
                                 if turn_blocks else None) for name in TIER_NAMES},
             "bytes_moved": {k: v - base.bytes_moved.get(k, 0) for k, v in now.bytes_moved.items()},
         })

@@ -1,18 +1,22 @@
-"""How a hooked step reads each layer's K/V for attention (tiered_kv.hooks), with layer streaming.
+"""What each layer's attention reads in a hooked step, planned once per step: view, gather,
+stream or the paged kernel.
 
-With hooks installed, `CacheBank.update` writes the new K/V into their blocks and returns at
-once; the attention function then asks the step's `StepReads` (through a per-layer `LayerReads`
-handle left in the model's kwargs) for the layer's K/V:
-- a row whose tokens sit in consecutive hot slots: a zero-copy view of the hot slab;
-- otherwise one of two stream buffers the bank owns and reuses (layer i uses buffer i % 2):
-  the history is gathered into it, the new tokens are copied from the model's own K/V.
-When some of the history is below hot (the chat is bigger than the hot budget), the history of
-layer i+2 is fetched into its buffer by the store's stream worker (a thread; copies on a side
-CUDA stream on GPU) as soon as layer i's attention is done with that buffer, so lower-tier reads
-(warm copies, cold reads and their checksums) overlap the compute of the layers in between.
-The two buffers are all the device memory used beyond the hot tier's budget (`stats()`).
+With hooks installed, `CacheBank.update` writes the new K/V into their blocks through the step's
+lease and leaves a per-layer `LayerReads` handle in the model's kwargs; the attention function
+(attention.py) asks it for the layer's K/V. `StepReads` decides, when the step opens:
 
-merge mode asks for `parts()` instead: the hot run as a view, everything else gathered.
+- view: one row whose tokens sit in consecutive hot slots: a zero-copy view of the hot slab;
+- paged (merge mode, one new token per row, blocks in tiers a kernel reads in place: hot, and warm
+  when page-locked on CUDA): the native paged decode kernel reads every block where it lies. Such
+  a step fetches nothing ahead; should its mask not qualify, its layers are gathered instead;
+- split (merge mode, one row with one hot run holding the new tokens): the hot run as a view, the
+  rest gathered, merged by log-sum-exp;
+- otherwise the history is gathered into one of two stream buffers the bank reuses (layer i uses
+  buffer i % 2), the new tokens copied from the model's own K/V. When some of it is below hot,
+  layer i+2's history is fetched into its buffer by the store's stream worker as soon as layer
+  i's attention is done with it, so lower-tier reads overlap the layers in between.
+Every read goes through the lease (store/leases.py): the step's blocks are pinned and read
+without the store's lock; nothing here touches a slab.
 """
 
 from __future__ import annotations
@@ -22,8 +26,7 @@ import os
 
 import torch
 
-from ..scheduler import HOT, WARM
-
+from ..blocks import COLD, HOT
 
 CPU_STREAMING = "auto"  # "auto" | "on" | "off": fetch a layer ahead in a thread on CPU (bench switch)
 
@@ -64,50 +67,64 @@ class StreamBuffers:
 
 
 class StepReads:
-    """Per hooked step: what each layer's attention reads, and the prefetches in flight."""
+    """Per hooked step: the read plan, and the fetches in flight."""
 
-    def __init__(self, bank, step, mode: str, buffers: StreamBuffers, counts: dict):
-        store = bank.store
-        self.counts = counts  # the bank's per-layer tallies: view / gathered / streamed / merged
-        self.store, self.step, self.mode, self.buffers = store, step, mode, buffers
-        self.num_layers = bank.num_layers
-        self.num_rows = len(step.read_runs)
-        self.num_tokens = step.num_tokens
-        self.num_history = step.num_tokens - step.num_new_tokens
-        layout = store.layout
-        self._heads, self._dim = layout.num_kv_heads, layout.head_dim
-        runs = step.read_runs
-        self.is_view = self.num_rows == 1 and len(runs[0]) == 1 and runs[0][0].tier == HOT \
-            and runs[0][0].positions is None
+    def __init__(self, lease, mode: str, buffers: StreamBuffers, counts: dict, num_layers: int, worker, layout,
+                 paged_kernels):
+        self.lease, self.mode, self.buffers, self.counts = lease, mode, buffers, counts
+        self.num_layers = num_layers
+        self._worker = worker  # a callable returning the store's stream worker (started on first use)
+        self._paged_kernels = paged_kernels  # the native ops when this machine runs them, else None
+        rows = lease.rows
+        self.num_rows = len(rows)
+        self.num_tokens = lease.num_tokens
+        self.num_history = lease.num_tokens - lease.num_new_tokens
+        self._heads, self._dim, self._block_size = layout.num_kv_heads, layout.head_dim, layout.block_size
+        runs = rows[0].read_runs
+        self.is_view = self.num_rows == 1 and len(runs) == 1 and runs[0].tier == HOT and runs[0].positions is None
         self._split = None
-        self._paged = None
+        self._paged = None  # None: not tried yet; False: not this step; else the kernel's tables
         self.streams = False
         self._fetches: dict[int, object] = {}
         if self.is_view:
             return
+        self.paged_candidate = self._paged_candidate()
         if mode == "merge" and self.num_rows == 1:
-            self._split = self._merge_split(step, store)
+            self._split = self._merge_split()
         if self._split is not None:
             self._buffer_shape = (2, 1, self._heads, sum(count for _, count, _ in self._split[1]), self._dim)
         else:
             # per row: its history as segments of one tier, each copied straight into its slice
-            self._history = [store.map_segments(*step.placements[r], 0, self.num_history) if self.num_history else []
+            self._history = [lease.segments(r, 0, self.num_history) if self.num_history else []
                              for r in range(self.num_rows)]
             self._buffer_shape = (2, self.num_rows, self._heads, self.num_tokens, self._dim)
-        self.streams = any(run.tier != HOT for run in self._gathered_runs()) and streaming_pays(store.device)
+        # the paged kernel reads blocks in place: nothing is fetched ahead for a step it may serve
+        self.streams = not self.paged_candidate and streaming_pays(lease.device) and \
+            any(run.tier != HOT for run in self._gathered_runs())
         for index in range(2):
             buffers.get(index, self._buffer_shape)  # grown here, never while a fetch runs
         if self.streams:
             for layer in range(min(2, self.num_layers)):
                 self._start_fetch(layer)
 
+    def _paged_candidate(self) -> bool:
+        """merge mode, one new token per row, native kernels, every block in a tier a kernel reads in place."""
+        lease = self.lease
+        if self.mode != "merge" or lease.num_new_tokens != 1 or self._paged_kernels is None:
+            return False
+        readable = len(lease.kernel_views(0))  # tiers 0..readable-1 can be read in place
+        return all((row.tiers[:self._needed_blocks()] < readable).all() and (row.tiers >= 0).all()
+                   for row in lease.rows)
+
+    def _needed_blocks(self) -> int:
+        return -(-self.num_tokens // self._block_size)
+
     # ---- what attention asks for -----------------------------------------------------------
     def full_kv(self, layer: int, key_new: torch.Tensor, value_new: torch.Tensor):
         """`(K, V)`, each `[B, H, T, D]`, of this layer: a view, or a stream buffer."""
-        store, step = self.store, self.step
         if self.is_view:
             self.counts["layers_view"] += 1
-            kv = store.read_layer(layer, step.read_runs[0], self.num_tokens)
+            kv = self.lease.read_layer(layer, 0)
             return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
         buffer = self._filled_buffer(layer)
         buffer[0, :, :, self.num_history:].copy_(key_new)
@@ -121,43 +138,36 @@ class StepReads:
             return None
         hot_positions, gathered = self._split
         self.counts["layers_merged"] += 1
-        hot_run = next(run for run in self.step.read_runs[0] if run.tier == HOT)
-        kv = self.store.read_run(layer, hot_run)  # a view of the hot slab
+        hot_run = next(run for run in self.lease.rows[0].read_runs if run.tier == HOT)
+        kv = self.lease.read_run(layer, hot_run)  # a view of the hot slab
         parts = [(kv[0].unsqueeze(0), kv[1].unsqueeze(0), hot_positions)]
         if gathered:
             buffer = self._filled_buffer(layer)
             parts.append((buffer[0], buffer[1], torch.cat([p for _, _, p in gathered])))
         return parts
 
-    def paged_decode(self, layer: int, query: torch.Tensor, attention_mask, scale: float, kernels):
-        """merge mode, one query token per row, blocks only in hot and warm: the native paged
-        decode kernel reads every block where it lies (warm straight from pinned host memory
-        through UVA), no gather. Returns `(out [B, Hq, D], lse)`, or None when the step does
-        not qualify (cold blocks, a mask that is not one left-padding run per row)."""
+    def paged_decode(self, layer: int, query: torch.Tensor, attention_mask, scale: float):
+        """The paged decode kernel over every block where it lies: `(out [B, Hq, D], lse)`, or
+        None when this step does not qualify (see the module docstring)."""
         if self._paged is None:
-            self._paged = self._paged_tables(attention_mask, query.device) or False
+            self._paged = (self.paged_candidate and self._paged_tables(attention_mask, query.device)) or False
         if self._paged is False:
             return None
         self.counts["layers_paged"] += 1
         table, tags, starts, lens = self._paged
-        store, bs = self.store, self.store.layout.block_size
-        hot = store.tiers[HOT].slab  # [L, 2, H, S*bs, D] -> per K/V [S, H, bs, D]
-        sources = [tuple(hot[layer, i].view(self._heads, -1, bs, self._dim).permute(1, 0, 2, 3) for i in (0, 1))]
-        warm = store.tiers[WARM]
-        if warm is not None and warm.num_slots:  # [S, L, 2, H, bs, D]; no tag 1 without it
-            sources.append((warm.slab[:, layer, 0], warm.slab[:, layer, 1]))
-        return kernels.paged_decode(query, sources, table, tags, starts, lens, scale)
+        sources = self.lease.kernel_views(layer)
+        return self._paged_kernels.paged_decode(query, sources, table, tags, starts, lens, scale)
 
     def _paged_tables(self, attention_mask, device):
-        # tags are the kernel's source indices: HOT = 0 (the hot slab), WARM = 1 (the warm slab)
-        rows = self.step.placements
-        needed = -(-self.num_tokens // self.store.layout.block_size)
+        # tags are the kernel's source indices, a tier's position in lease.kernel_views: HOT 0, WARM 1
+        needed = self._needed_blocks()
+        rows = self.lease.rows
         table = torch.zeros((len(rows), needed), dtype=torch.int32)
         tags = torch.zeros((len(rows), needed), dtype=torch.int8)
-        for r, (tiers, slots) in enumerate(rows):
-            tiers, slots = tiers[:needed], slots[:needed]
-            if len(tiers) < needed or (tiers > WARM).any() or (tiers < 0).any():
-                return None  # cold (or missing) blocks: the gathering merge path serves them
+        for r, row in enumerate(rows):
+            tiers, slots = row.tiers[:needed], row.slots[:needed]
+            if len(tiers) < needed or (tiers >= COLD).any() or (tiers < 0).any():
+                return None
             table[r] = torch.from_numpy(slots.astype("int32"))
             tags[r] = torch.from_numpy(tiers.astype("int8"))
         starts = torch.zeros(len(rows), dtype=torch.int32)
@@ -178,11 +188,11 @@ class StepReads:
             self._start_fetch(layer + 2)
 
     def finish(self) -> None:
-        """Wait for every fetch still in flight (before the step's blocks may be released)."""
+        """Wait for every fetch still in flight (before the step's lease may end)."""
         for future in list(self._fetches.values()):
             try:
                 future.result()
-            except BaseException:
+            except BaseException:  # noqa: BLE001 - the step is ending either way; the error was raised to it
                 pass
         self._fetches.clear()
 
@@ -193,18 +203,17 @@ class StepReads:
         if self.streams:
             future = self._fetches.pop(layer)
             ready = future.result()  # re-raises a failed read (a corrupt block) here
-            self.store.stream_worker.wait_ready(ready)
+            self._worker().wait_ready(ready)
         else:
             self._fill(layer, buffer)
         return buffer
 
     def _start_fetch(self, layer: int) -> None:
         buffer = self.buffers.get(layer % 2, self._buffer_shape)
-        self._fetches[layer] = self.store.stream_worker.submit(self._fill, layer, buffer)
+        self._fetches[layer] = self._worker().submit(self._fill, layer, buffer)
 
     def _fill(self, layer: int, buffer: torch.Tensor) -> None:
         """Gather the layer's history (or, split, its non-view tokens) into `buffer`."""
-        store = self.store
         if self._split is not None:  # packed one after another, in the order of their positions
             items, start = [], 0
             for run, count, _ in self._split[1]:
@@ -213,24 +222,24 @@ class StepReads:
         else:
             items = [(run, buffer[:, r, :, first:first + count], None)
                      for r, segments in enumerate(self._history) for run, first, count in segments]
-        store.read_runs_into(layer, items)
+        self.lease.read_into(layer, items)
 
-    def _merge_split(self, step, store):
+    def _merge_split(self):
         """(hot positions, [(run, count, positions)] to gather) when attention can be split at
         the hot run (one slice of the slab holding every hot token, the new ones included);
         None otherwise (the exact path then serves the step). The rest is gathered as segments
         of one tier each, copied straight into consecutive slices of the buffer. (Reading whole
         warm blocks in place as a batch of one-block attentions was measured slower than this
         gather on CPU: 1.2 ms against 0.9 ms a layer at 3k tokens.)"""
-        runs, write_runs = step.read_runs[0], step.write_runs[0]
+        row = self.lease.rows[0]
+        runs, write_runs = row.read_runs, row.write_runs
         hot = [run for run in runs if run.tier == HOT and isinstance(run.index, slice)]
         if len(runs) < 2 or not hot or any(run.tier != HOT for run in write_runs):
             return None
         gathered = []
-        for run, first, count in (store.map_segments(*step.placements[0], 0, self.num_history)
-                                  if self.num_history else []):
+        for run, first, count in (self.lease.segments(0, 0, self.num_history) if self.num_history else []):
             if run.tier != HOT:  # hot ones are inside the hot run's slice
-                gathered.append((run, count, torch.arange(first, first + count, device=store.device)))
+                gathered.append((run, count, torch.arange(first, first + count, device=self.lease.device)))
         return hot[0].positions, gathered
 
     def _gathered_runs(self) -> list:
@@ -241,7 +250,9 @@ class StepReads:
 
 
 class LayerReads:
-    """The handle one layer's attention gets (kwargs[LAYER_KEY]); see StepReads."""
+    """The handle one layer's attention gets (kwargs[LAYER_KEY]); see StepReads. `bank` provides
+    `_rolled_back_on_error()` (a context that rolls its step back on any error) and
+    `_layer_attended(layer)` (the layer's attention is done)."""
 
     __slots__ = ("_step_reads", "_bank", "layer", "_key", "_value", "num_tokens")
 
@@ -263,9 +274,9 @@ class LayerReads:
         with self._bank._rolled_back_on_error():
             return self._step_reads.parts(self.layer)
 
-    def paged_decode(self, query, attention_mask, scale, kernels):
+    def paged_decode(self, query, attention_mask, scale):
         with self._bank._rolled_back_on_error():
-            return self._step_reads.paged_decode(self.layer, query, attention_mask, scale, kernels)
+            return self._step_reads.paged_decode(self.layer, query, attention_mask, scale)
 
     def done(self) -> None:
         self._step_reads.done(self.layer)

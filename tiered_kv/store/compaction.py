@@ -1,8 +1,9 @@
-"""Where the hot blocks lie: contiguity and fragmentation figures, and compaction plans.
+"""HotCompaction: where the hot blocks lie (contiguity, fragmentation) and compaction plans.
 
-Mixed into TierStore; every method takes the store lock. The policy itself is
+A component of the TierStore; its callers hold the store lock. The policy itself is
 scheduler/compaction.py (ids only); this side gathers its inputs from the index, the access log
-(each live chat's block tables in token order) and the hot pool, and caches what it found.
+(each live chat's block tables in token order), the pins and the hot pool, and caches what it found.
+The mover carries its plans out like any other background move (transfers.py).
 
 Cheap when nothing changed: the mover asks for a compaction plan whenever it is idle (after
 every step). Contiguity can only break when a block changes tier or slot (`placement_version`),
@@ -15,13 +16,18 @@ steps' pins changed since a plan found nothing it could repair.
 
 from __future__ import annotations
 
-from ..scheduler import HOT, Plan
+from ..blocks import HOT
+from ..scheduler import Plan
 from ..scheduler.compaction import (MAX_OPEN_DEPTH, NO_BLOCK, RESERVED, RowLayout, chat_contiguity, fragmentation,
                                    plan_compaction)
 
 
-class HotLayout:
-    def _init_layout(self) -> None:
+class HotCompaction:
+    def __init__(self, state, access_log, settings) -> None:
+        self.state = state
+        self.index = state.index
+        self.access_log = access_log
+        self.settings = settings  # SchedulerConfig: max_fragmentation, min_contiguity
         self._layout_events = 0
         self._layout_rows: tuple[object, list[RowLayout]] | None = None  # (key, rows) cache
         self._contiguous_key = None  # layout key when every live sequence was found contiguous
@@ -34,12 +40,16 @@ class HotLayout:
         """A hot block landed somewhere its sequence may not continue (see the module docstring)."""
         self._layout_events += 1
 
+    @property
+    def _pool(self):
+        return self.state.pools[HOT]
+
     def _layout_key(self) -> tuple:
         return self.index.placement_version, self._layout_events, tuple(self.access_log.chats)
 
     def _row_layouts(self) -> list[RowLayout]:
         """Every live chat's rows: their hot blocks in token order and slots (cached)."""
-        key = (self._layout_key(), self.pools[HOT].version)
+        key = (self._layout_key(), self._pool.version)
         if self._layout_rows is not None and self._layout_rows[0] == key:
             return self._layout_rows[1]
         index, rows = self.index, []
@@ -58,42 +68,33 @@ class HotLayout:
 
     def hot_fragmentation(self) -> float:
         """1 - largest free run / free slots of the hot pool (0.0 when no slot is free)."""
-        with self.lock:
-            if not self.is_bound or self._closed:
-                return 0.0
-            pool = self.pools[HOT]
-            return fragmentation(pool.num_free, pool.largest_free_run())
+        pool = self._pool
+        return fragmentation(pool.num_free, pool.largest_free_run())
 
     def contiguity(self, tables: list[list[int]]) -> float:
         """One chat's contiguity: the share of its rows' hot blocks that lie in each row's longest
         run of consecutive slots, in token order (1.0 when it has no hot block)."""
-        with self.lock:
-            if not self.is_bound or self._closed:
-                return 1.0
-            rows = []
-            for table in tables:
-                tiers, slots = self.placements(table)
-                hot = tiers == HOT
-                rows.append(RowLayout(-1, len(rows), tuple(table[i] for i in hot.nonzero()[0].tolist()),
-                                      tuple(slots[hot].tolist())))
-            value = chat_contiguity(rows)
-            return 1.0 if value is None else value
+        rows = []
+        for table in tables:
+            tiers, slots = self.state.placements(table)
+            hot = tiers == HOT
+            rows.append(RowLayout(-1, len(rows), tuple(table[i] for i in hot.nonzero()[0].tolist()),
+                                  tuple(slots[hot].tolist())))
+        value = chat_contiguity(rows)
+        return 1.0 if value is None else value
 
     def layout_stats(self) -> dict:
         """fragmentation of the hot pool; contiguity (mean over live chats with hot blocks, 1.0
         when none) and contiguity_min."""
-        with self.lock:
-            if not self.is_bound or self._closed:
-                return {"fragmentation": 0.0, "contiguity": 1.0, "contiguity_min": 1.0}
-            by_chat: dict[int, list[RowLayout]] = {}
-            for row in self._row_layouts():
-                by_chat.setdefault(row.owner, []).append(row)
-            values = [v for v in map(chat_contiguity, by_chat.values()) if v is not None]
-            return {"fragmentation": self.hot_fragmentation(),
-                    "contiguity": sum(values) / len(values) if values else 1.0,
-                    "contiguity_min": min(values, default=1.0)}
+        by_chat: dict[int, list[RowLayout]] = {}
+        for row in self._row_layouts():
+            by_chat.setdefault(row.owner, []).append(row)
+        values = [v for v in map(chat_contiguity, by_chat.values()) if v is not None]
+        return {"fragmentation": self.hot_fragmentation(),
+                "contiguity": sum(values) / len(values) if values else 1.0,
+                "contiguity_min": min(values, default=1.0)}
 
-    def plan_compaction(self, max_moves: int, spend: bool = True) -> Plan | None:
+    def plan(self, max_moves: int, spend: bool = True) -> Plan | None:
         """Moves within the hot tier, each to a free slot, toward every live chat's hot blocks
         in consecutive slots in token order (scheduler/compaction.py); None when nothing needs
         or can get repair now. For the mover, which calls it whenever it has nothing else to do
@@ -102,45 +103,43 @@ class HotLayout:
         A sequence whose repair has taken more moves than `_repair_budget` without making it
         contiguous is given up (so compaction can never churn forever) until the hot pool has
         more free slots than then, or the set of chats changes."""
-        with self.lock:
-            if not self.is_bound or self._closed or not self.pools[HOT].num_slots:
-                return None
-            layout_key = self._layout_key()
-            if layout_key == self._contiguous_key:
-                return None
-            stuck_key = (layout_key, self._pins_key(), tuple(self._given_up))
-            if stuck_key == self._stuck_key:
-                return None
-            pool = self.pools[HOT]
-            rows = self._row_layouts()
-            if all(row.longest_run() == row.num_blocks for row in rows):
-                self._contiguous_key = layout_key
-                self._repair_moves.clear()
-                self._given_up.clear()
-                return None
-            self._forget_repairs(rows, pool.num_free)
-            settings = self.config.scheduler
-            result = plan_compaction(
-                self._hot_block_at(), rows, self._pinned_now(), self._shared_hot_blocks(rows),
-                pool_fragmentation=fragmentation(pool.num_free, pool.largest_free_run()),
-                max_fragmentation=settings.max_fragmentation, min_contiguity=settings.min_contiguity,
-                max_moves=max_moves, prefer=self._repairing, skip=frozenset(self._given_up))
-            self._repairing = result.repairing
-            if not result.moves:
-                if not result.waiting:
-                    self._stuck_key = stuck_key
-                return None
-            if spend:
-                spent = self._repair_moves.get(result.repairing, 0) + len(result.moves)
-                self._repair_moves[result.repairing] = spent
-                if spent > self._repair_budget(rows):
-                    self._given_up[result.repairing] = pool.num_free
-                    self._repairing = None
-            return Plan(moves=result.moves)
+        pool = self._pool
+        if not pool.num_slots:
+            return None
+        layout_key = self._layout_key()
+        if layout_key == self._contiguous_key:
+            return None
+        stuck_key = (layout_key, self.state.pins_key(), tuple(self._given_up))
+        if stuck_key == self._stuck_key:
+            return None
+        rows = self._row_layouts()
+        if all(row.longest_run() == row.num_blocks for row in rows):
+            self._contiguous_key = layout_key
+            self._repair_moves.clear()
+            self._given_up.clear()
+            return None
+        self._forget_repairs(rows, pool.num_free)
+        result = plan_compaction(
+            self._hot_block_at(), rows, self.state.pinned_now(), self._shared_hot_blocks(rows),
+            pool_fragmentation=fragmentation(pool.num_free, pool.largest_free_run()),
+            max_fragmentation=self.settings.max_fragmentation, min_contiguity=self.settings.min_contiguity,
+            max_moves=max_moves, prefer=self._repairing, skip=frozenset(self._given_up))
+        self._repairing = result.repairing
+        if not result.moves:
+            if not result.waiting:
+                self._stuck_key = stuck_key
+            return None
+        if spend:
+            spent = self._repair_moves.get(result.repairing, 0) + len(result.moves)
+            self._repair_moves[result.repairing] = spent
+            if spent > self._repair_budget(rows):
+                self._given_up[result.repairing] = pool.num_free
+                self._repairing = None
+        return Plan(moves=result.moves)
 
-    def compaction_pending(self) -> bool:
+    def pending(self) -> bool:
         """The mover would find compaction work now."""
-        return self.plan_compaction(1, spend=False) is not None
+        return self.plan(1, spend=False) is not None
 
     @staticmethod
     def _repair_budget(rows: list[RowLayout]) -> int:
@@ -157,23 +156,12 @@ class HotLayout:
 
     def _hot_block_at(self) -> list[int]:
         """The block in each hot slot: NO_BLOCK when free, RESERVED when the pool holds it for
-        no block of the index (a corrupt block's quarantined slot)."""
-        block_at = [NO_BLOCK if not used else RESERVED for used in self.pools[HOT].occupancy()]
+        no block of the index (a corrupt block's quarantined slot, a copy's reservation)."""
+        block_at = [NO_BLOCK if not used else RESERVED for used in self._pool.occupancy()]
         index = self.index
         for block_id in index.recency(HOT):
             block_at[index.get(block_id).slot] = block_id
         return block_at
-
-    def _pins_key(self) -> tuple:
-        """Which steps pin blocks and which blocks are in flight: what else can make a repair wait."""
-        in_flight = tuple(sorted(self._mover.in_flight)) if self._mover is not None else ()
-        return tuple(sorted(self._pinned_by_step)), in_flight
-
-    def _pinned_now(self) -> set[int]:
-        pinned = set().union(*self._pinned_by_step.values()) if self._pinned_by_step else set()
-        if self._mover is not None:
-            pinned.update(self._mover.in_flight)
-        return pinned
 
     def _shared_hot_blocks(self, rows: list[RowLayout]) -> set[int]:
         """Hot blocks of live sequences that more than one bank table holds."""

@@ -1,4 +1,4 @@
-"""The store's stream worker: fetches a hooked step's lower-tier K/V one layer ahead.
+"""The stream worker: fetches a hooked step's lower-tier K/V one layer ahead (reads.py).
 
 One thread per store (shared by its banks; each bank keeps at most two fetches in flight, one
 per stream buffer). On CUDA each fetch runs on the worker's own side stream: it first waits for
@@ -6,6 +6,8 @@ an event recorded on the compute stream when the fetch was asked for (the buffer
 reader and every earlier write of the hot blocks are done), and hands back an event the compute
 stream waits on before attention reads the buffer. On CPU the copies simply run in the thread;
 file reads, checksums and large copies release the GIL, so they overlap the model's compute.
+A fetch reads through the step's lease, never under the store's lock. The store owns the worker
+(one per store, shared by its banks) and joins it at close.
 """
 
 from __future__ import annotations

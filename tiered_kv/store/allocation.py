@@ -1,0 +1,170 @@
+"""Allocation: new blocks, placed as high as room allows, and copy-on-write copies of blocks.
+
+`allocate_pinned(owner, n)` works in rounds (the lock held only to plan and to place): plan room
+for n new blocks (MemScheduler.plan_new_blocks), move what must go down through the demand
+moves (demand.py), plan again, until the plan needs no move; then the blocks take their slots —
+a sequence's hot blocks consecutive slots, right after the block they continue when those are
+free (one slice for attention). Blocks whose move failed are never chosen as victims again in
+that call, so a copy that raises costs that move: the new blocks go where there is room.
+Running out is a value: `Retry` while others' pins or copies in flight hold the room,
+CapacityError when all tiers together cannot hold the blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from ..blocks import HOT
+from ..errors import CapacityError, CorruptBlockError
+from ..metrics.registry import ON_DEMAND
+from .demand import MAX_ROUNDS, DemandResult
+
+PIN_WAIT_S = 60.0  # how long a step or allocation waits for other steps to free the room it needs
+_PSEUDO_OWNERS = itertools.count(-1, -1)  # owners of store-internal pins (work outside a step)
+
+
+def pseudo_owner() -> int:
+    return next(_PSEUDO_OWNERS)
+
+
+class Retry(Exception):
+    """Room is held by other steps' pins or blocks in flight: try again once something changed."""
+
+
+class Allocation:
+    def __init__(self, store):
+        self.store = store  # the façade: lock, state, scheduler, transfers, demand, compaction
+
+    def allocate(self, num_blocks: int, protect: frozenset[int] = frozenset(),
+                 follow: list[tuple[int, int | None]] | None = None) -> list[int]:
+        """New blocks outside a step (ref_count 1, unpinned on return); waits up to PIN_WAIT_S
+        while running steps hold the room. CapacityError changes nothing."""
+        store = self.store
+        owner = pseudo_owner()
+        deadline = time.monotonic() + PIN_WAIT_S
+        while True:
+            version = store.change_version
+            with store.lock:
+                store.check_open()
+                store.state.pin(owner, set())
+            try:
+                return self.allocate_pinned(owner, num_blocks, protect, follow)
+            except Retry:
+                if not store.wait_for_change(version, deadline - time.monotonic()):
+                    raise self.capacity_error(num_blocks) from None
+            finally:
+                with store.lock:
+                    store.state.unpin(owner)
+
+    def allocate_pinned(self, owner: int, num_blocks: int, protect: frozenset[int] = frozenset(),
+                        follow=None, result: DemandResult | None = None) -> list[int]:
+        """New blocks pinned by `owner` (which the caller pinned, and unpins): see the module docstring."""
+        if num_blocks == 0:
+            return []
+        if follow is not None and sum(count for count, _ in follow) != num_blocks:
+            raise ValueError(f"allocate: follow {follow} covers {sum(c for c, _ in follow)} blocks, not {num_blocks}")
+        store, state = self.store, self.store.state
+        result = result if result is not None else DemandResult()
+        for _ in range(MAX_ROUNDS):
+            with store.lock:
+                store.check_open()
+                state.drain()
+                keep = protect | frozenset(result.failed_blocks)
+                movable = state.movable_by(owner, keep)
+                plan = store.scheduler.plan_new_blocks(num_blocks, state.index, state.free_slots(), state.capacities,
+                                                       keep, movable)
+                if plan is None:
+                    self._no_room(owner, num_blocks, result)
+                if not plan.moves:
+                    block_ids = self._place(plan.new_block_tiers, follow)
+                    state.pin_more(owner, block_ids)
+                    return block_ids
+                batch = store.transfers.prepare(plan.moves, ON_DEMAND, movable)
+                if not batch.transfers:
+                    if batch.num_evictions:
+                        continue
+                    raise Retry()  # the moves need slots that copies in flight still hold
+            store.demand.run_batch(batch)
+            result.add(batch)
+        raise Retry()
+
+    def _no_room(self, owner: int, num_blocks: int, result: DemandResult) -> None:
+        state = self.store.state
+        if state.pinned_by_others(owner) or state.in_flight or state.num_deferred_frees:
+            raise Retry()
+        if result.failed_blocks:  # the only room is held by blocks whose copies keep failing
+            error = result.errors[-1]
+            raise CapacityError(f"need {num_blocks} more block(s) but the moves that would make room failed "
+                                f"({type(error).__name__}: {error}); nothing else can move") from error
+        raise self.capacity_error(num_blocks)
+
+    def _place(self, tiers: list[int], follow) -> list[int]:
+        """Index entries for new blocks in the plan's `tiers`, hot ones consecutive per `follow` group."""
+        state = self.store.state
+        block_ids = []
+        start = 0
+        for count, previous in follow or [(len(tiers), None)]:
+            group = tiers[start:start + count]
+            start += count
+            hot_slots = self._hot_slots(group.count(HOT), previous, follow is not None)
+            for tier in group:
+                slot = hot_slots.pop(0) if tier == HOT else state.pools[tier].allocate(1)[0]
+                block_ids.append(state.index.add(tier, slot))
+        return block_ids
+
+    def _hot_slots(self, num_slots: int, previous: int | None, as_run: bool) -> list[int]:
+        if not num_slots:
+            return []
+        state, pool = self.store.state, self.store.state.pools[HOT]
+        after = None
+        if previous is not None and previous in state.index:
+            entry = state.index.get(previous)
+            after = entry.slot if entry.tier == HOT else None
+        slots = pool.allocate_run(num_slots, after) if as_run else None
+        if slots is None:  # no run is long enough: as few pieces as the free slots allow
+            slots = pool.allocate_runs(num_slots, after) if as_run else pool.allocate(num_slots)
+        if after is None or slots[0] != after + 1:
+            self.store.compaction.note_layout_change()  # the sequence may not continue in place here
+        return slots
+
+    def capacity_error(self, num_blocks: int) -> CapacityError:
+        store = self.store
+        referenced = sum(1 for _, e in store.state.index.items() if e.ref_count > 0)
+        hot, warm, cold = store.capacities
+        return CapacityError(
+            f"need {num_blocks} more blocks of {store.layout.block_size} tokens ({store.layout.block_bytes} bytes "
+            f"each) but all tiers together hold {store.total_capacity_blocks} (hot {hot}, warm {warm}, cold {cold}) "
+            f"and {referenced} are in use; raise a tier's capacity or shorten the conversation")
+
+    def copy_pinned(self, owner: int, sources: list[int], result: DemandResult | None = None) -> list[int]:
+        """Copy-on-write: a new block with each source's content, pinned by `owner` (which pins
+        the sources too). Raises the copy's error (nothing left behind) or CorruptBlockError."""
+        store = self.store
+        copies = self.allocate_pinned(owner, len(sources), frozenset(sources), None, result)
+        with store.lock:
+            batch = store.transfers.prepare_copies(list(zip(copies, sources)), ON_DEMAND)
+        store.demand.run_batch(batch)
+        if batch.corrupt or any(t.corrupt for t in batch.transfers):
+            with store.lock:
+                store.state.release([b for b in copies if b in store.state.index])
+            raise CorruptBlockError(f"blocks {sources} failed their checksum while being copied and must be "
+                                    "recomputed")
+        if batch.failed:  # complete() freed the copies whose bytes never landed
+            with store.lock:
+                store.state.release([b for b in copies if b in store.state.index])
+            raise batch.failure
+        return copies
+
+    def copy_block(self, block_id: int) -> int:
+        """A new block with the same content (the caller releases the old one)."""
+        store = self.store
+        owner = pseudo_owner()
+        with store.lock:
+            store.check_open()
+            store.state.pin(owner, {block_id})
+        try:
+            return self.copy_pinned(owner, [block_id])[0]
+        finally:
+            with store.lock:
+                store.state.unpin(owner)

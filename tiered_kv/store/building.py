@@ -1,0 +1,62 @@
+"""Building a store's tiers for one KV layout: the slabs, the cold file, the slot pools, the
+staging sets of the transfers (one for on-demand batches, one for the background mover's) and
+the watermarks in blocks. A failure partway leaves `made` holding what was built (the store
+closes it); nothing here keeps state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..blocks import COLD, HOT, TIER_NAMES, WARM, KVLayout
+from ..hw.block_copy import BlockCopier, device_staging
+from ..metrics.registry import BACKGROUND, ON_DEMAND
+from ..pool import SlotPool
+from ..scheduler.mem_scheduler import Watermarks
+from ..tiers import ColdTier, HotTier, WarmTier
+from .copies import Staging
+
+STAGING_BYTES = 32 * 2**20  # host staging for on-demand batches into and out of cold
+# device staging for batched hot<->warm moves (hw/block_copy.py), on a CUDA store only; capped at
+# the hot capacity; beside the hot slab, not counted in hot.capacity
+STAGING_DEVICE_BYTES = 64 * 2**20
+BACKGROUND_STAGING_BYTES = 16 * 2**20  # the mover's batches (mover.BATCH_BYTES)
+
+
+def capacities_of(config, layout: KVLayout, has_cold: bool) -> list[int]:
+    return [config.hot.resolve_blocks(layout.block_bytes), config.warm.resolve_blocks(layout.block_bytes),
+            config.cold.resolve_blocks(layout.block_bytes) if has_cold else 0]
+
+
+def build_tiers(config, layout: KVLayout, dtype: torch.dtype, device, pinned: bool, cold_directory, made: list):
+    """(tiers, pools) for `layout`; each tier is appended to `made` as soon as it exists."""
+    capacities = capacities_of(config, layout, cold_directory is not None)
+    made.append(HotTier(layout, capacities[HOT], device, dtype))
+    made.append(WarmTier(layout, capacities[WARM], dtype, pinned))
+    made.append(ColdTier(layout, capacities[COLD], cold_directory, config.cold.backend, config.cold.fsync)
+                if capacities[COLD] > 0 else None)
+    return list(made), [SlotPool(n, TIER_NAMES[t]) for t, n in enumerate(capacities)]
+
+
+def build_staging(layout: KVLayout, dtype: torch.dtype, device, pinned: bool, capacities: list[int]) -> dict:
+    """A staging set per batch mode: host buffer (page-locked on CUDA, touched once) and copier."""
+    staging = {}
+    for mode, host_bytes, device_bytes in ((ON_DEMAND, STAGING_BYTES, STAGING_DEVICE_BYTES),
+                                           (BACKGROUND, BACKGROUND_STAGING_BYTES, BACKGROUND_STAGING_BYTES)):
+        blocks = max(1, min(host_bytes // layout.block_bytes, max(capacities)))
+        host = torch.zeros((blocks, *layout.record_shape()), dtype=dtype, pin_memory=pinned)
+        copier = BlockCopier(device_staging("hot.capacity", device_bytes, layout, capacities[HOT], device, dtype))
+        staging[mode] = Staging(host, copier)
+    return staging
+
+
+def watermarks_of(config, capacities: list[int]) -> Watermarks:
+    tier_cfgs = (config.hot, config.warm, config.cold)
+    return Watermarks(
+        high_blocks=tuple(math.ceil(c.high_watermark * n) for c, n in zip(tier_cfgs, capacities)),
+        low_blocks=tuple(int(c.low_watermark * n) for c, n in zip(tier_cfgs, capacities)))
+
+
+__all__ = ["build_tiers", "build_staging", "watermarks_of", "STAGING_BYTES", "STAGING_DEVICE_BYTES", "COLD"]

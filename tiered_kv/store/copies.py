@@ -1,0 +1,149 @@
+"""The bytes of a transfer batch: what one unit of the copy engine does. Only `Transfers.launch`
+(transfers.py) runs these, inside `engine.submit`; nothing here touches the index or a pool.
+
+- between hot and warm (and within one tier: compaction, copy-on-write): whole blocks through the
+  staging set's BlockCopier (a few large copies per batch; hw/block_copy.py);
+- into or out of cold: through the staging set's host buffer in chunks, one preadv per run of
+  file slots; reads out of cold are double-buffered (a reader thread fills one half of the buffer
+  while the other half is copied to its destination) and checked against their checksums: a
+  block that fails is marked `corrupt` on its transfer and never copied anywhere;
+- a read-out copies one block into host memory (the remote writer); a write-in fills new blocks
+  from host bytes (a remote fetch).
+Host memory a device copy of the unit still uses is reused only after `engine.host_wait()`.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..blocks import COLD
+from ..errors import CorruptBlockError
+from ..hw.block_copy import BlockCopier
+from ..hw.copy_engine import CopyEvent
+
+MOVE, COPY, READ_OUT, WRITE_IN = "move", "copy", "read_out", "write_in"
+
+
+class Staging:
+    """The scratch of one batch at a time (the store keeps a set per mode: on-demand batches and
+    the background mover's never share one): a host buffer `[C, L, 2, H, bs, D]` for moves through
+    cold (page-locked on CUDA), a BlockCopier (with its device staging on CUDA), a reader thread.
+    `lock` is held from launch until the unit is submitted; the next user waits for `last_event`."""
+
+    def __init__(self, host: torch.Tensor, copier: BlockCopier):
+        self.host = host
+        self.copier = copier
+        self.lock = threading.Lock()
+        self.last_event: CopyEvent | None = None
+        self._reader: ThreadPoolExecutor | None = None
+
+    def wait_idle(self) -> None:
+        if self.last_event is not None:
+            self.last_event.wait()
+
+    def reader(self) -> ThreadPoolExecutor:
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered_kv-cold-read")
+        return self._reader
+
+    def close(self) -> None:
+        self.wait_idle()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+        self.copier.staging = None
+
+
+def run(tiers: list, transfers: list, staging: Staging, engine, metrics) -> None:
+    """Copy every transfer's bytes: one unit of the copy engine (see the module docstring)."""
+    groups: dict[tuple[str, int, int], list] = {}
+    for t in transfers:
+        kind = MOVE if t.kind == COPY else t.kind  # a copy-on-write copies as a move does
+        groups.setdefault((kind, t.src_tier, t.dst_tier), []).append(t)
+    for (kind, src_tier, dst_tier), group in groups.items():
+        if kind == READ_OUT:
+            _read_out(tiers, group, engine)
+        elif kind == WRITE_IN:
+            tiers[dst_tier].write_blocks([t.dst_slot for t in group], torch.cat([t.data for t in group]))
+        elif COLD not in (src_tier, dst_tier):
+            staging.copier.copy(tiers[dst_tier].slots_view(), [t.dst_slot for t in group],
+                                tiers[src_tier].slots_view(), [t.src_slot for t in group])
+        elif src_tier == COLD:
+            _out_of_cold(tiers, group, dst_tier, staging, engine, metrics)
+        else:
+            _into_cold(tiers, group, src_tier, staging, engine)
+    # no host wait here: device copies still queued are covered by the unit's event
+
+
+def _read_out(tiers: list, group: list, engine) -> None:
+    for t in group:
+        try:
+            if t.src_tier == COLD:
+                tiers[COLD].read_blocks([t.src_slot], out=t.data.unsqueeze(0))
+            else:
+                t.data.copy_(tiers[t.src_tier].read_blocks([t.src_slot])[0], non_blocking=True)
+        except CorruptBlockError:
+            t.corrupt = True
+    engine.host_wait()
+
+
+def _into_cold(tiers: list, group: list, src_tier: int, staging: Staging, engine) -> None:
+    """Chunks of blocks into host staging (a D2H through device staging on CUDA), then one pwritev
+    per record. A failed write (ColdWriteError) raises: the batch fails, nothing moved."""
+    chunk_blocks = staging.host.shape[0]
+    for start in range(0, len(group), chunk_blocks):
+        chunk = group[start:start + chunk_blocks]
+        buffer = staging.host[:len(chunk)]
+        staging.copier.copy(buffer, range(len(chunk)), tiers[src_tier].slots_view(), [t.src_slot for t in chunk])
+        engine.host_wait()  # pwritev reads the host buffer now
+        tiers[COLD].write_blocks([t.dst_slot for t in chunk], buffer)
+
+
+def _out_of_cold(tiers: list, group: list, dst_tier: int, staging: Staging, engine, metrics) -> None:
+    """Chunks in file order through host staging, double-buffered: the reader thread fills one
+    half while this thread copies the other half to the destination."""
+    group = sorted(group, key=lambda t: t.src_slot)
+    halves = 2 if staging.host.shape[0] >= 2 and len(group) > staging.host.shape[0] // 2 else 1
+    chunk_blocks = staging.host.shape[0] // halves
+    chunks = [group[i:i + chunk_blocks] for i in range(0, len(group), chunk_blocks)]
+    buffers = [staging.host[h * chunk_blocks:(h + 1) * chunk_blocks] for h in range(halves)]
+    cold = tiers[COLD]
+
+    def read(k: int) -> None:
+        buffer = buffers[k % halves][:len(chunks[k])]
+        start = metrics.read_seconds.start()
+        try:
+            cold.read_blocks([t.src_slot for t in chunks[k]], out=buffer)
+        except CorruptBlockError:  # find the bad ones; the good ones still move
+            for i, t in enumerate(chunks[k]):
+                try:
+                    cold.read_blocks([t.src_slot], out=buffer[i:i + 1])
+                except CorruptBlockError:
+                    t.corrupt = True
+        metrics.read_seconds.stop(("cold",), start)
+
+    reader = staging.reader() if halves > 1 and len(chunks) > 1 else None
+    pending = {k: reader.submit(read, k) for k in range(min(halves, len(chunks)))} if reader is not None else {}
+    try:
+        for k, chunk in enumerate(chunks):
+            if reader is not None:
+                pending.pop(k).result()
+            else:
+                read(k)
+            buffer = buffers[k % halves][:len(chunk)]
+            good = [i for i, t in enumerate(chunk) if not t.corrupt]
+            if good:
+                data = buffer if len(good) == len(chunk) else buffer[good]
+                tiers[dst_tier].write_blocks([chunk[i].dst_slot for i in good], data)
+            engine.host_wait()  # the buffer is refilled next: its copy to the device must be done
+            if reader is not None and k + halves < len(chunks):
+                pending[k + halves] = reader.submit(read, k + halves)
+    finally:
+        for future in pending.values():  # a failing batch: no read may still fill the buffers
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - the batch is failing anyway
+                pass

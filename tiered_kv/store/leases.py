@@ -1,0 +1,161 @@
+"""Step leases: what a forward pass holds instead of the store's lock (DESIGN.md, invariant 8).
+
+`TierStore.open_step(request)` (opening.py) returns a `StepLease` once every block the step
+reads or writes is pinned, in place and mapped to tiers and slots. The lease's reads and writes
+of those blocks run without the store lock: pinned blocks cannot move or be freed, and per-call
+scratch comes from the tiers' pools. It ends once, in `commit()` (the step happened: unpin) or
+`abort()` (the step is rolled back: release what it allocated, put back what its moves
+displaced as far as room allows, unpin). A read that finds a block corrupt marks it (never
+served) before the error goes up to the bank, which truncates before it and recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..blocks import HOT
+from ..errors import CorruptBlockError
+from .token_map import TierRun
+
+
+@dataclass
+class StepRequest:
+    """What a bank's forward pass needs from the store (one per step)."""
+
+    owner: int  # the bank's step owner id
+    tables: list[list[int]]  # per row, the committed block ids in token order
+    block_set: set[int]  # every block the rows reference (unchanged by the bank until the step ends)
+    num_tokens_before: int  # committed tokens per row
+    num_new_tokens: int
+    new_turn: bool = False  # bring the history up (hot first) before the step reads it
+    promotion_order: list[int] = field(default_factory=list)  # history, most recent first (new turns)
+    verify_cold: bool = False  # check the history left in cold against its checksums before the step
+    count_turn_start: bool = False  # count where the history is as this turn begins (hit rates)
+    cost_sensitivity: float = 0.5
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_tokens_before + self.num_new_tokens
+
+
+@dataclass
+class LeaseRow:
+    """One row (sequence) of a leased step: its block table as it is once the step commits."""
+
+    table: list[int]
+    new_blocks: list[int]
+    tail_copy: tuple[int, int] | None  # (old tail, its private copy) when the tail was copied on write
+    tiers: np.ndarray  # tier of each block of `table`
+    slots: np.ndarray
+    write_runs: list[TierRun]  # the new tokens
+    read_runs: list[TierRun]  # every token
+
+
+class StepLease:
+    def __init__(self, host, request: StepRequest, rows: list[LeaseRow], moves: list, reads_host_tiers: bool,
+                 placement_version: int):
+        self._host = host  # the TierStore: mapper, tiers, mark_corrupt, end_lease
+        self.owner = request.owner
+        self.num_tokens = request.num_tokens
+        self.num_new_tokens = request.num_new_tokens
+        self.rows = rows
+        self.moves = moves  # the moves opening made (undone by abort)
+        self.reads_host_tiers = reads_host_tiers
+        self.placement_version = placement_version
+        self.thread_id = threading.get_ident()
+        self.ended = False
+        self._corrupt: CorruptBlockError | None = None  # once a read found a bad block, every read fails
+
+    @property
+    def allocated_block_ids(self) -> list[int]:
+        return [b for row in self.rows for b in row.new_blocks] + \
+            [row.tail_copy[1] for row in self.rows if row.tail_copy is not None]
+
+    @property
+    def device(self) -> torch.device:
+        return self._host.device
+
+    # ---- one layer's K/V, without the store lock ----------------------------------------------
+    def write_layer(self, layer: int, row: int, kv: torch.Tensor) -> None:
+        """Store the new tokens' `[2, H, t, D]` of one layer and row, wherever their blocks live."""
+        self._host.mapper.write_layer(layer, self.rows[row].write_runs, kv)
+
+    def read_layer(self, layer: int, row: int) -> torch.Tensor:
+        """`[2, H, num_tokens, D]` of one layer and row on the compute device (a view of the hot
+        slab when the row's blocks are consecutive hot slots)."""
+        with self._marking_corrupt():
+            return self._host.mapper.read_layer(layer, self.rows[row].read_runs, self.num_tokens)
+
+    def read_run(self, layer: int, run: TierRun) -> torch.Tensor:
+        """`[2, H, n, D]` of one run (a view for a hot slice)."""
+        with self._marking_corrupt():
+            return self._host.mapper.read_run(layer, run)
+
+    def read_into(self, layer: int, items: list) -> None:
+        """For each `(run, out, positions)`: one layer's K/V of the run's tokens into `out`
+        (`[2, H, n, D]`, a buffer's slice), at `positions` on the token axis or in order."""
+        with self._marking_corrupt():
+            for run, out, positions in items:
+                self._host.mapper.read_into(layer, run, out, positions)
+
+    def segments(self, row: int, start_token: int, end_token: int) -> list[tuple[TierRun, int, int]]:
+        """Tokens [start_token, end_token) of a row as `(run, first position, count)` segments of
+        consecutive blocks in one tier (TokenMapper.map_segments)."""
+        lease_row = self.rows[row]
+        return self._host.mapper.map_segments(lease_row.tiers, lease_row.slots, start_token, end_token)
+
+    def kernel_views(self, layer: int) -> list:
+        """Per tier that a kernel can read in place (hot, then warm when it can), `(K, V)` as
+        `[num_slots, H, bs, D]` views; a tier's position is its tag in a block table."""
+        views = []
+        for tier in self._host.tiers[:2]:
+            view = tier.kernel_view(layer, self.device) if tier is not None else None
+            if view is None:
+                break
+            views.append(view)
+        return views
+
+    # ---- the end ----------------------------------------------------------------------------------
+    def commit(self) -> None:
+        """The step happened: its blocks stay with their bank, and are unpinned."""
+        self._host.end_lease(self, aborted=False)
+
+    def abort(self) -> None:
+        """Roll the step back: what it allocated is released, its moves are undone as far as room
+        allows, its blocks are unpinned."""
+        self._host.end_lease(self, aborted=True)
+
+    @contextlib.contextmanager
+    def _marking_corrupt(self):
+        if self._corrupt is not None:  # the step is failing: no later layer is read as if it were fine
+            raise CorruptBlockError(str(self._corrupt))
+        try:
+            yield
+        except CorruptBlockError as error:
+            self._corrupt = error
+            block_id = self._block_at(getattr(error, "tier", None), getattr(error, "slot", None))
+            self._host.mark_corrupt(block_id, getattr(error, "tier", None), getattr(error, "slot", None))
+            if block_id is not None:
+                error.block_id = block_id
+            raise
+
+    def _block_at(self, tier, slot) -> int | None:
+        if tier is None or slot is None:
+            return None
+        for row in self.rows:
+            hit = np.nonzero((row.tiers == tier) & (row.slots == slot))[0]
+            if len(hit):
+                return row.table[int(hit[0])]
+        return None
+
+
+def reads_host(rows: list[LeaseRow]) -> bool:
+    return any(run.tier != HOT for row in rows for run in row.read_runs)
+
+
+__all__ = ["StepRequest", "StepLease", "LeaseRow", "reads_host"]

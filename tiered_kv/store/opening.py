@@ -1,0 +1,284 @@
+"""Opening a step: everything a forward pass needs made true, then handed over as a StepLease.
+
+`Opening.open_step(request)`, in rounds that each hold the store lock only to plan and to commit
+(the copies between them run through the transfers, without the lock):
+  1. pin the chat's blocks: no other plan moves them, and background moves of them still in
+     flight are cancelled (they stay where the step will map them);
+  2. copy-on-write: a partly filled tail that is shared or published gets a private copy;
+  3. new blocks for the new tokens, placed as high as room allows (other blocks moved down first);
+  4. on a new turn, the history comes up (hot first); a move that fails leaves its block where it
+     was, and the step reads it from there;
+  5. under the lock once more: placements, token runs, the access log, the lease.
+It returns None ("retry once something changed": `TierStore.wait_for_change`) when the room the
+step needs is held by other steps' pins or blocks in flight, or one of its blocks is in another
+caller's on-demand move — vLLM's `allocate_slots` contract; it raises CapacityError when all
+tiers together cannot hold the step. What it allocated is released again in both cases.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..blocks import COLD, HOT, TIER_NAMES, tier_counts
+from ..errors import CorruptBlockError
+from ..metrics.registry import BACKGROUND, ON_DEMAND
+from ..scheduler import Plan
+from .allocation import Retry
+from .demand import DemandResult
+from .leases import LeaseRow, StepLease, StepRequest, reads_host
+from .reporting import count_turn_start
+
+@dataclass
+class OwnerCache:
+    """Per chat (step owner), what lets a decode step skip O(blocks) work when nothing moved."""
+
+    placement_version: int = -1
+    tables: list | None = None  # [(table, tiers, slots)] per row, valid at placement_version
+    touched_order_version: int = -1
+
+
+class Opening:
+    def __init__(self, store):
+        self.store = store  # the façade: its lock, state, scheduler, access log, transfers, mapper
+        self.owners: dict[int, OwnerCache] = {}
+
+    # ---- the whole step ---------------------------------------------------------------------------
+    def open_step(self, request: StepRequest) -> StepLease | None:
+        store, state = self.store, self.store.state
+        owner = request.owner
+        with store.lock:
+            store.check_open()
+            state.drain()
+            if self._in_demand_flight(request.block_set):
+                return None
+            self._cancel_background(request.block_set)
+            state.pin(owner, request.block_set)
+            if request.count_turn_start and request.promotion_order:  # where the history was when the turn began
+                count_turn_start(store.metrics, state.placements(request.promotion_order)[0])
+            build = _Build(self, request)
+            build.shared_tails = self._shared_tails(request)
+        try:
+            build.copy_tails()
+            build.allocate_new_blocks()
+            if request.new_turn:
+                build.promote_history()
+            with store.lock:
+                store.check_open()
+                state.drain()
+                return self._finish(build)
+        except Retry:
+            build.give_back()
+            return None
+        except BaseException:
+            build.give_back()
+            raise
+
+    def _shared_tails(self, request: StepRequest) -> list[int]:
+        """Rows whose partly filled tail is about to change but is shared or published (its
+        content must stay): they get a private copy first."""
+        if not request.num_tokens_before % self.store.config.block_size:
+            return []
+        index = self.store.state.index
+        return [r for r, table in enumerate(request.tables)
+                if table and (index.get(table[-1]).ref_count > 1 or index.get(table[-1]).key is not None)]
+
+    def _in_demand_flight(self, block_set: set[int]) -> bool:
+        return any(t.batch.mode == ON_DEMAND and b in block_set for b, t in self.store.state.in_flight.items())
+
+    def _cancel_background(self, block_set: set[int]) -> None:
+        in_flight = self.store.state.in_flight
+        for block_id in [b for b, t in in_flight.items() if t.batch.mode == BACKGROUND and b in block_set]:
+            in_flight[block_id].cancelled = True
+            if self.store.mover is not None:
+                self.store.mover.num_cancelled += 1
+
+    def _finish(self, build: "_Build") -> StepLease:
+        store, state, request = self.store, self.store.state, build.request
+        index, mapper = state.index, store.mapper
+        cache = self.owners.setdefault(request.owner, OwnerCache())
+        rows, tables = [], []
+        for r, committed in enumerate(request.tables):
+            table = list(committed)
+            if r in build.tail_copies:
+                table[-1] = build.tail_copies[r][1]
+            table += build.new_blocks[r]
+            tables.append(table)
+            tiers, slots = self._placements(cache, r, table)
+            rows.append(LeaseRow(table, build.new_blocks[r], build.tail_copies.get(r), tiers, slots,
+                                 mapper.map_range(tiers, slots, request.num_tokens_before, request.num_tokens),
+                                 mapper.map_range(tiers, slots, 0, request.num_tokens)))
+        cache.placement_version = index.placement_version
+        cache.tables = [(row.table, row.tiers, row.slots) for row in rows]
+        allocated = build.allocated
+        if index.order_version != cache.touched_order_version:  # else the chat's blocks are the newest already
+            index.touch(itertools.chain(request.block_set, allocated))
+        cache.touched_order_version = index.order_version
+        store.access_log.record_step(request.owner, itertools.chain(request.block_set, allocated), tables,
+                                     request.cost_sensitivity)
+        index.clock = store.access_log.now
+        if store.mover is not None:
+            store.mover.step_started(request.owner)
+        for tier, count in tier_counts([(row.tiers, None) for row in rows]).items():
+            store.metrics.hits.inc((TIER_NAMES[tier],), count)
+        state.pin_more(request.owner, allocated)
+        build.handed_over = True
+        lease = StepLease(self, request, rows, build.result.committed, reads_host(rows), index.placement_version)
+        state.leases[request.owner] = lease
+        return lease
+
+    def _placements(self, cache: OwnerCache, row: int, table: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Tiers and slots of `table`; when nothing moved since the chat's last step, only its new
+        blocks are looked up (O(new blocks) a decode step)."""
+        state = self.store.state
+        if cache.placement_version == state.index.placement_version and cache.tables is not None \
+                and row < len(cache.tables):
+            cached, tiers, slots = cache.tables[row]
+            n = len(cached)
+            if n <= len(table) and table[:n] == cached:
+                if n == len(table):
+                    return tiers, slots
+                more_tiers, more_slots = state.placements(table[n:])
+                return np.concatenate((tiers, more_tiers)), np.concatenate((slots, more_slots))
+        return state.placements(table)
+
+    def forget(self, owner: int) -> None:
+        self.owners.pop(owner, None)
+
+    # ---- what a lease asks of the store ----------------------------------------------------------
+    @property
+    def mapper(self):
+        return self.store.mapper
+
+    @property
+    def tiers(self) -> list:
+        return self.store.state.tiers
+
+    @property
+    def device(self):
+        return self.store.device
+
+    def end_lease(self, lease: StepLease, aborted: bool) -> None:
+        """StepLease.commit / abort (leases.py): unpin; on abort release what the step allocated
+        and undo its moves as far as room allows; on a GPU, a step that read host memory leaves
+        a fence that warm slots wait for before they are reused."""
+        if lease.ended:
+            return
+        lease.ended = True
+        store, state = self.store, self.store.state
+        with store.lock:
+            state.leases.pop(lease.owner, None)
+            state.unpin(lease.owner)
+            if lease.reads_host_tiers:
+                fence = store.copy_engine.compute_fence()
+                if fence is not None:
+                    state.host_fence = fence
+            closed = store.is_closed
+            if aborted and not closed:
+                state.release(lease.allocated_block_ids)
+            state.changes.bump()
+        if aborted and not closed and lease.moves:
+            store.placement.undo_moves(lease.moves)
+
+    def mark_corrupt(self, block_id: int | None, tier: int | None = None, slot: int | None = None) -> None:
+        """A lease's read found a block's bytes bad: never served again (StoreState.mark_corrupt)."""
+        store, state = self.store, self.store.state
+        with store.lock:
+            if store.is_closed:
+                return
+            if block_id is None and tier is not None and slot is not None:
+                block_id = state.block_at(tier, slot)
+            if block_id is not None and block_id in state.index:
+                state.mark_corrupt(block_id)
+
+
+class _Build:
+    """The state of one open_step call across its rounds."""
+
+    def __init__(self, opening: Opening, request: StepRequest):
+        self.opening, self.store, self.request = opening, opening.store, request
+        self.tail_copies: dict[int, tuple[int, int]] = {}  # row -> (old tail, its copy)
+        self.new_blocks: list[list[int]] = [[] for _ in request.tables]
+        self.allocated: list[int] = []
+        self.result = DemandResult()
+        self.handed_over = False
+        self.shared_tails: list[int] = []  # rows whose tail is copied on write (found under the lock)
+
+    def copy_tails(self) -> None:
+        """Copy-on-write of the shared tails (a copy that raises is tried again: its batch changed
+        nothing)."""
+        rows, store = self.shared_tails, self.store
+        if not rows:
+            return
+        tails = [self.request.tables[r][-1] for r in rows]
+        for attempt in range(3):
+            try:
+                copies = store.allocation.copy_pinned(self.request.owner, tails, self.result)
+            except CorruptBlockError:
+                raise
+            except Exception:  # noqa: BLE001 - counted and logged by the transfers; tried again
+                if attempt == 2:
+                    raise
+                continue
+            self.allocated += copies
+            for r, tail, copy in zip(rows, tails, copies):
+                self.tail_copies[r] = (tail, copy)
+            store.compaction.note_layout_change()
+            return
+
+    def allocate_new_blocks(self) -> None:
+        request, store = self.request, self.store
+        block_size = store.config.block_size
+        needed = [-(-request.num_tokens // block_size) - len(table) for table in request.tables]
+        total = sum(needed)
+        if not total:
+            return
+        previous = [self.tail_copies[r][1] if r in self.tail_copies else (table[-1] if table else None)
+                    for r, table in enumerate(request.tables)]
+        protect = frozenset(self.allocated)
+        new_ids = store.allocation.allocate_pinned(request.owner, total, protect, list(zip(needed, previous)),
+                                                   self.result)
+        self.allocated += new_ids
+        for r, count in enumerate(needed):
+            self.new_blocks[r] = new_ids[:count]
+            del new_ids[:count]
+
+    def promote_history(self) -> None:
+        request, store = self.request, self.store
+        order = request.promotion_order
+        if not order:
+            return
+        state = store.state
+        with store.lock:
+            tiers, _ = state.placements(order)
+            if (tiers == HOT).all():
+                return
+        new = frozenset(self.allocated)
+        movable = state.movable_by(request.owner, new)  # this step's own new blocks stay where they are
+
+        def make_plan(result: DemandResult) -> Plan | None:
+            wanted = [b for b in order if b not in result.failed_blocks and b in state.index]
+            return store.scheduler.plan_promotion(wanted, state.index, state.free_slots(), state.capacities, movable)
+
+        store.demand.carry_out(make_plan, movable, self.result)
+        if request.verify_cold:
+            with store.lock:
+                cold = [b for b in order if b in state.index and state.index.get(b).tier == COLD]
+            store.placement.verify(cold)
+
+    def give_back(self) -> None:
+        """The step does not happen: release what was allocated, unpin (moves made stay made)."""
+        if self.handed_over:
+            return
+        store = self.store
+        with store.lock:
+            if not store.is_closed:
+                store.state.release(self.allocated)
+            store.state.unpin(self.request.owner)
+            store.state.changes.bump()
+        self.allocated = []
+
+
+__all__ = ["Opening", "OwnerCache"]

@@ -1,0 +1,134 @@
+"""Placement: the moves a caller asks for by name — promote, prefetch, demote, undo a failed step's
+moves, check cold blocks against their checksums.
+
+Each is a plan remade every round from the store as it is (demand.py); the caller waits for its
+own copies, never for the lock. A block whose copy fails stays where it was and is not planned
+again in that call; a block found corrupt on the way is never served (returned to the caller).
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..blocks import COLD
+from ..scheduler import Move, Plan
+from .allocation import pseudo_owner
+from .demand import DemandResult
+
+WAIT_FOR_LANDING_S = 30.0  # how long a promotion waits for blocks a background move has in flight
+
+
+class Placement:
+    def __init__(self, store):
+        self.store = store  # the façade: lock, state, scheduler, demand, mover
+
+    def promote(self, block_ids: list[int], owner: int | None = None) -> list[int]:
+        """Bring blocks up (hot first), now: the caller waits. Returns ids found corrupt on the
+        way. `owner`'s pending background prefetch is taken over: blocks it has in flight are
+        waited for, the rest planned here."""
+        store, state = self.store, self.store.state
+        with store.lock:
+            store.check_open()
+            if store.mover is not None and owner is not None:
+                store.mover.drop_requests(owner)
+        self._wait_for_flights(set(block_ids))
+
+        def make_plan(result: DemandResult) -> Plan:
+            wanted = [b for b in block_ids if b not in result.failed_blocks and b in state.index]
+            return store.scheduler.plan_promotion(wanted, state.index, state.free_slots(), state.capacities,
+                                                  state.is_pinned)
+
+        return store.demand.carry_out(make_plan, state.is_pinned).corrupt
+
+    def _wait_for_flights(self, block_ids: set[int]) -> None:
+        """Until none of `block_ids` is in flight (charged to the caller as promote seconds)."""
+        store = self.store
+        start_s = time.perf_counter()
+        deadline = time.monotonic() + WAIT_FOR_LANDING_S
+        waited = False
+        while True:
+            version = store.change_version
+            with store.lock:
+                if not any(b in store.state.in_flight for b in block_ids):
+                    break
+            waited = True
+            if not store.wait_for_change(version, deadline - time.monotonic()):
+                break  # they are still where their entries say: the promotion plans around them
+        if waited:
+            store.demand.charge_wait("promote", time.perf_counter() - start_s)
+
+    def prefetch(self, owner: int, block_ids: list[int]) -> None:
+        """Bring `owner`'s blocks up in the background (most wanted first) and return at once;
+        without a mover (scheduler.background false), promote them now."""
+        store = self.store
+        with store.lock:
+            store.check_open()
+            if store.mover is not None:
+                store.mover.request_prefetch(owner, block_ids)
+                return
+        self.promote(block_ids, owner)
+
+    def demote(self, block_ids: list[int], dst_tier: int) -> list[int]:
+        """Move blocks down to `dst_tier` (WARM or COLD) as far as room allows (a move whose copy
+        fails leaves its block where it was). Returns the ids found corrupt on the way."""
+        state, targets = self.store.state, list(block_ids)
+
+        def make_plan(result: DemandResult) -> Plan:
+            wanted = [b for b in targets if b not in result.failed_blocks and b in state.index]
+            return self.store.scheduler.plan_demotion(wanted, dst_tier, state.index, state.free_slots(),
+                                                      state.capacities, state.is_pinned)
+
+        return self.store.demand.carry_out(make_plan, state.is_pinned).corrupt
+
+    def undo_moves(self, moves: list[Move]) -> None:
+        """Put blocks back where they were before `moves` (newest first), as far as each block is
+        still where the move left it, unpinned, and its old tier has room."""
+        state = self.store.state
+        undone: set[int] = set()
+
+        def make_plan(result: DemandResult) -> Plan:
+            undone.update(m.block_id for m in result.committed)
+            back, free, tier_now = [], state.free_slots(), {}
+            for move in reversed(moves):
+                b = move.block_id
+                if b in undone or b in result.failed_blocks or b not in state.index or state.is_pinned(b):
+                    continue
+                tier = tier_now.get(b, state.index.get(b).tier)
+                if tier != move.dst_tier or free[move.src_tier] == 0:
+                    continue
+                back.append(Move(b, move.dst_tier, move.src_tier))
+                tier_now[b] = move.src_tier
+                free[move.src_tier] -= 1
+                free[move.dst_tier] += 1
+            return Plan(moves=back)
+
+        self.store.demand.carry_out(make_plan, state.is_pinned)
+
+    def verify(self, block_ids: list[int]) -> list[int]:
+        """Check the cold blocks among `block_ids` against their checksums (the one tier whose bytes
+        can rot outside this process), reading outside the lock. Failing ones are marked corrupt
+        and returned."""
+        store, state = self.store, self.store.state
+        owner = pseudo_owner()
+        with store.lock:
+            cold = state.tiers[COLD] if store.is_bound else None
+            if cold is None or store.is_closing:
+                return []
+            by_slot = {}
+            for block_id in block_ids:
+                entry = state.index.get(block_id)
+                if entry.tier == COLD and block_id not in state.in_flight:
+                    by_slot[entry.slot] = block_id
+            if not by_slot:
+                return []
+            state.pin(owner, set(by_slot.values()))
+        bad: list[int] = []
+        try:
+            bad = [by_slot[slot] for slot in cold.verify(list(by_slot))]
+        finally:
+            with store.lock:
+                state.unpin(owner)
+                for block_id in bad:
+                    if block_id in state.index:
+                        state.mark_corrupt(block_id)
+        return bad

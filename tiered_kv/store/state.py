@@ -1,0 +1,295 @@
+"""StoreState: where every block lives and what holds it — the block index, the tiers and their
+slot pools, the steps' pins, the blocks in flight, and the slots waiting to be freed.
+
+Everything here runs under the store's lock (the caller holds it) and never waits. The rules it
+keeps (docs/design.md):
+
+- a slot is handed out again only once nothing can still read or write it: a slot freed while a
+  copy may use it waits in the deferred list for that copy's event (and, for warm slots on a GPU,
+  for the compute fence of the last step that read host memory); `drain()` frees what passed;
+- a pinned block (a running step reads or writes it) is never moved or dropped; a block whose
+  data fails its checksum while pinned keeps its slot (quarantined) until the step ends, so the
+  step reads the bad bytes and fails, never another block's;
+- a block in flight (a transfer copies it) is neither moved again nor freed under the copy: freeing
+  it cancels the transfer and its source slot waits for the transfer's event.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+import numpy as np
+
+from ..block_index import BlockIndex
+from ..blocks import COLD, DROPPED, TIER_NAMES, WARM
+from ..hw.copy_engine import CopyEvent
+from ..logs import Throttle
+from ..metrics.registry import Metrics
+from ..pool import SlotPool
+
+log = logging.getLogger(__name__)
+
+
+class ChangeSignal:
+    """Tells threads waiting outside the store lock that something they may wait for happened (a
+    step ended, a transfer completed, blocks were released). Its own small lock, never the store's."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self.version = 0
+        self._waiters = 0
+
+    def bump(self) -> None:
+        with self._condition:
+            self.version += 1
+            if self._waiters:
+                self._condition.notify_all()
+
+    def wait(self, since: int, timeout_s: float) -> bool:
+        """Until `version` differs from `since` (True) or `timeout_s` passed (False)."""
+        with self._condition:
+            self._waiters += 1
+            try:
+                return self._condition.wait_for(lambda: self.version != since, timeout=max(0.0, timeout_s))
+            finally:
+                self._waiters -= 1
+
+
+class StoreState:
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.index = BlockIndex()
+        self.tiers: list = []
+        self.pools: list[SlotPool] = []
+        self.changes = ChangeSignal()
+        self._pins: dict[int, tuple[set[int], set[int]]] = {}  # owner -> (its block set, blocks added since)
+        self.leases: dict[int, object] = {}  # owner -> its StepLease while the step runs (leases.py)
+        self.in_flight: dict[int, object] = {}  # block id -> the Transfer copying it (transfers.py)
+        self._deferred_frees: list[tuple[int, int, tuple[CopyEvent, ...]]] = []  # (tier, slot, fences)
+        self.host_fence: CopyEvent | None = None  # compute work that may still read warm slots (CUDA)
+        self._quarantined: list[tuple[int, int, int]] = []  # (block, tier, slot) of pinned corrupt blocks
+        self._released_later: deque = deque()  # (block ids, step owner) of banks the collector took
+        self._drop_warnings = Throttle(log)
+
+    def bind(self, tiers: list, pools: list[SlotPool]) -> None:
+        self.tiers, self.pools = tiers, pools
+
+    # ---- tier use ------------------------------------------------------------------------------
+    @property
+    def capacities(self) -> list[int]:
+        return [pool.num_slots for pool in self.pools]
+
+    def free_slots(self) -> list[int]:
+        return [pool.num_free for pool in self.pools]
+
+    def placements(self, block_ids) -> tuple[np.ndarray, np.ndarray]:
+        """(tier, slot) of each block, as two int64 arrays (DROPPED for a corrupt block)."""
+        entries = [self.index.get(b) for b in block_ids]
+        tiers = np.fromiter((e.tier for e in entries), dtype=np.int64, count=len(entries))
+        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        return tiers, slots
+
+    # ---- pins ------------------------------------------------------------------------------------
+    def pin(self, owner: int, block_ids: set[int]) -> None:
+        """`owner`'s step uses `block_ids` (a set its bank keeps unchanged until the step ends)."""
+        self._pins[owner] = (block_ids, set())
+
+    def pin_more(self, owner: int, block_ids) -> None:
+        self._pins[owner][1].update(block_ids)
+
+    def unpin(self, owner: int) -> bool:
+        """The step ended. False when `owner` pinned nothing."""
+        if self._pins.pop(owner, None) is None:
+            return False
+        self._free_quarantined()
+        return True
+
+    @property
+    def has_pins(self) -> bool:
+        return bool(self._pins)
+
+    def pinned_by_others(self, owner: int | None) -> bool:
+        """Some step other than `owner`'s pins blocks (room it holds frees up when that step ends)."""
+        return any(other != owner for other in self._pins)
+
+    def is_pinned_by_step(self, block_id: int, except_owner: int | None = None) -> bool:
+        return any(block_id in blocks or block_id in extra for owner, (blocks, extra) in self._pins.items()
+                   if owner != except_owner)
+
+    def is_pinned(self, block_id: int) -> bool:
+        """A running step uses the block or a transfer copies it: no plan may move or drop it."""
+        return block_id in self.in_flight or self.is_pinned_by_step(block_id)
+
+    def movable_by(self, owner: int | None, protect: frozenset[int] = frozenset()):
+        """A plan's predicate of blocks it must leave alone, for a plan made for `owner`'s step:
+        blocks in flight, pinned by any other step, or in `protect`."""
+        if owner is None and not protect:
+            return self.is_pinned
+        in_flight = self.in_flight
+        return lambda b: b in in_flight or b in protect or self.is_pinned_by_step(b, except_owner=owner)
+
+    def pinned_now(self) -> set[int]:
+        pinned = set(self.in_flight)
+        for blocks, extra in self._pins.values():
+            pinned.update(blocks)
+            pinned.update(extra)
+        return pinned
+
+    def pins_key(self) -> tuple:
+        """Which steps pin blocks and which blocks are in flight (compaction's "nothing changed" key)."""
+        return tuple(sorted(self._pins)), tuple(sorted(self.in_flight))
+
+    # ---- freeing ---------------------------------------------------------------------------------
+    def free_slot(self, tier: int, slot: int, after: CopyEvent | None = None) -> None:
+        """Give a slot back, once `after` (a copy that may still use it) has passed."""
+        fences = tuple(f for f in (after, self.host_fence if tier == WARM else None) if f is not None)
+        if all(f.done() for f in fences):
+            self._free_now(tier, slot)
+        else:
+            self._deferred_frees.append((tier, slot, fences))
+
+    def _free_now(self, tier: int, slot: int) -> None:
+        self.pools[tier].free([slot])
+        if tier == COLD:
+            self.tiers[COLD].forget([slot])
+
+    def drain(self) -> None:
+        """Free the deferred slots whose copies passed; release what collected banks left."""
+        if self._deferred_frees:
+            waiting = []
+            for tier, slot, fences in self._deferred_frees:
+                if all(f.done() for f in fences):
+                    self._free_now(tier, slot)
+                else:
+                    waiting.append((tier, slot, fences))
+            self._deferred_frees = waiting
+        while self._released_later:
+            block_ids, owner = self._released_later.popleft()
+            lease = self.leases.pop(owner, None)
+            if lease is not None:
+                lease.ended = True  # its bank is gone: nobody can end it any more
+            self.unpin(owner)
+            self.release(block_ids)
+            self.changes.bump()
+
+    @property
+    def num_deferred_frees(self) -> int:
+        return len(self._deferred_frees)
+
+    def release_later(self, block_ids: list[int], owner: int) -> None:
+        """For a bank the garbage collector took (maybe while this very thread holds the store
+        lock): its references and its step's pins go at the next drain. Takes no lock."""
+        self._released_later.append((list(block_ids), owner))
+
+    def release(self, block_ids) -> None:
+        """One reference less each; an unreferenced block without a key (or corrupt) is freed."""
+        for block_id in block_ids:
+            entry = self.index.get(block_id)
+            if self.index.decref(block_id) == 0 and (entry.key is None or entry.is_corrupt):
+                self.free_block(block_id)
+
+    def free_block(self, block_id: int) -> None:
+        """Remove a block. One a transfer copies is cancelled; its slot waits for that copy."""
+        transfer = self.in_flight.pop(block_id, None)
+        entry = self.index.remove(block_id)
+        if entry.is_corrupt:  # its slot went back (or into quarantine) when it was marked
+            return
+        if transfer is not None:
+            transfer.cancelled = True  # its copy may still read the slot: freed after it
+            transfer.batch.frees.append((entry.tier, entry.slot))
+        else:
+            self.free_slot(entry.tier, entry.slot)
+
+    def evict(self, block_id: int) -> None:
+        """Drop an unreferenced cached block (its data is discarded)."""
+        self.free_block(block_id)
+        self.metrics.evictions.inc()
+
+    def report_evictions(self, count: int, by: str) -> None:
+        """One warning (throttled: a full cache drops some at every step) for blocks just dropped."""
+        if count:
+            self._drop_warnings.warning(
+                "cache full: %s dropped %d cached block(s) (published, used by no chat), least valuable first; a "
+                "chat that needs them again recomputes them (%d dropped so far)", by, count,
+                int(self.metrics.evictions.value()))
+
+    # ---- corruption ------------------------------------------------------------------------------
+    def mark_corrupt(self, block_id: int) -> None:
+        """A corrupt block keeps its id (banks still list it) but no key, no data and no slot. A
+        pinned one's slot is quarantined until its step ends; a transfer copying it is cancelled."""
+        entry = self.index.get(block_id)
+        if entry.is_corrupt:
+            return
+        cold = self.tiers[COLD] if len(self.tiers) > COLD else None
+        where = f" of {cold.file_path}" if entry.tier == COLD and cold is not None else ""
+        log.warning("block %d (%s slot %d%s) failed its checksum: it is never served; it is dropped and its "
+                    "tokens must be recomputed", block_id, TIER_NAMES[entry.tier], entry.slot, where)
+        self.metrics.checksum_failures.inc((TIER_NAMES[entry.tier],))
+        transfer = self.in_flight.pop(block_id, None)
+        if transfer is not None:
+            transfer.cancelled = True  # its copy may still read the slot: freed after it, or at unpin
+        if self.is_pinned_by_step(block_id):
+            self._quarantined.append((block_id, entry.tier, entry.slot))
+        elif transfer is not None:
+            transfer.batch.frees.append((entry.tier, entry.slot))
+        else:
+            self.free_slot(entry.tier, entry.slot)
+        self.index.mark_corrupt(block_id)
+
+    def block_at(self, tier: int, slot: int) -> int | None:
+        """The block at (tier, slot): a scan, on the rare path of a failed read only."""
+        return next((b for b, e in self.index.items() if e.tier == tier and e.slot == slot), None)
+
+    def _free_quarantined(self) -> None:
+        keep = []
+        for block_id, tier, slot in self._quarantined:
+            if self.is_pinned_by_step(block_id):
+                keep.append((block_id, tier, slot))
+            else:
+                self.free_slot(tier, slot)
+        self._quarantined = keep
+
+    def quarantined_slots(self) -> set[tuple[int, int]]:
+        return {(tier, slot) for _, tier, slot in self._quarantined}
+
+    # ---- durability --------------------------------------------------------------------------------
+    def persist_if_published(self, block_id: int) -> None:
+        """A published block whose whole data is in the cold tier gets a durable record there
+        (written behind by the cold tier's writer thread), so a later process can reuse it."""
+        entry = self.index.get(block_id)
+        if entry.tier == COLD and entry.key is not None and entry.root is not None:
+            try:
+                self.tiers[COLD].persist(entry.slot, entry.key, entry.root)
+            except ValueError as error:  # not whole yet: it stays a cold block, just not durable
+                log.warning("block %d not made durable (it stays in the cold tier for this process): %s",
+                            block_id, error)
+
+    def check_consistent(self) -> list[str]:
+        """What is wrong between the index, the pools, the pins and the transfers (tests' `verify`):
+        every used slot belongs to exactly one block, a quarantined slot, a reservation of a block in
+        flight, or a deferred free; nothing is pinned or in flight once everything ended."""
+        problems = []
+        in_flight_dst = {(t.dst_tier, t.dst_slot) for t in self.in_flight.values()}
+        deferred = {(tier, slot) for tier, slot, _ in self._deferred_frees}
+        quarantined = self.quarantined_slots()
+        for tier, pool in enumerate(self.pools):
+            owned: dict[int, int] = {}
+            for block_id, entry in self.index.items():
+                if entry.tier == tier:
+                    if entry.slot in owned:
+                        problems.append(f"{TIER_NAMES[tier]} slot {entry.slot} holds blocks {owned[entry.slot]} "
+                                        f"and {block_id}")
+                    owned[entry.slot] = block_id
+            for slot in range(pool.num_slots):
+                key = (tier, slot)
+                accounted = slot in owned or key in in_flight_dst or key in deferred or key in quarantined
+                if pool.is_used(slot) and not accounted:
+                    problems.append(f"{TIER_NAMES[tier]} slot {slot} is used but no block, transfer or free holds it")
+                if not pool.is_used(slot) and slot in owned:
+                    problems.append(f"{TIER_NAMES[tier]} slot {slot} holds block {owned[slot]} but is free")
+        for block_id, entry in self.index.items():
+            if entry.tier == DROPPED and entry.key is not None:
+                problems.append(f"corrupt block {block_id} still has a key")
+        return problems
