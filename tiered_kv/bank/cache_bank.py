@@ -274,7 +274,7 @@ class CacheBank(Stepping, ChatOps, Cache):
             self.store.drop_owner()
 
     def __del__(self):
-        # May run inside the cyclic GC at any allocation, even under this thread's store lock:
+        # May run inside the cyclic GC at any allocation, even while this thread is inside a store call:
         # hand the references to the store to release at its next operation, touch nothing here.
         try:
             if not self._closed and not self.store.is_closed:

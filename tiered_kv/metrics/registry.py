@@ -1,6 +1,6 @@
 """The in-process metrics of one TierStore: counters and histograms, kept cheaply.
 
-One `Metrics` object is owned by each store (`store.metrics`); the executor, the mover, the
+One `Metrics` object is owned by each store (`store.metrics`); the transfers, the mover, the
 tiers' reads and writes and the banks count into it, `store.stats()["metrics"]` returns a
 snapshot, and tiered_kv/metrics/export.py turns every live store's metrics into Prometheus
 text at scrape time. Nothing here imports torch or prometheus_client: an increment is one dict

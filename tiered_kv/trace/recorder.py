@@ -124,7 +124,7 @@ class TraceRecorder:
         self.step_in_turn = 0
 
     def step_committed(self, bank, num_new_tokens: int, num_tokens: int, step_s: float) -> None:
-        """The bank's step observer: called under the store lock after every committed forward pass."""
+        """The bank's step observer: called after every committed forward pass (no store lock held)."""
         now = read_counters(bank.store)
         last_moved = self._last.bytes_moved
         self._lines.append({
