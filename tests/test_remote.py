@@ -340,3 +340,20 @@ def test_remote_fetch_and_write_copies_that_fail_cost_reuse_never_tokens(way, tm
         assert torch.equal(greedy(model, out, third, NEW_TOKENS), reference(model, out, NEW_TOKENS))
         second.close()
         third.close()
+
+
+def test_writes_queued_when_the_store_closes_still_reach_the_server(tmp_path):
+    """close() flushes the remote writer before it stops the transfers: a block published just
+    before close is on the server after it (its read-out is not refused as 'closing')."""
+    model = tiny_model("llama")
+    ids = rand_ids(12, 41)
+    with RedisServer(password=PASSWORD) as server:
+        bank = CacheBank(model, _thread_engine(config(tmp_path / "a", server.url)))
+        out = greedy(model, ids, bank, NEW_TOKENS)
+        queued = bank.store.remote.stats()["queued"]
+        bank.close()  # no flush before: whatever is queued goes out in close()
+        stats_dropped = bank.store.metrics.remote_writes_dropped.snapshot()
+        assert not stats_dropped.get("gone"), (queued, stats_dropped)
+        other = CacheBank(model, config(tmp_path / "b", server.url))
+        assert other.attach(out) == (out.shape[1] - 1) // BLOCK_SIZE * BLOCK_SIZE
+        other.close()

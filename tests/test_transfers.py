@@ -242,3 +242,30 @@ def test_prepare_leaves_out_moves_that_cannot_go_now(make_store):
     store.demand.run_batch(batch)
     assert tiers_of(store, block_ids) == [WARM, HOT]
     assert store.check_consistency() == []
+
+
+# ---- an interrupt (Ctrl-C) while a batch copies ------------------------------------------------------
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("way", ("before", "after", "in_unit"))
+def test_an_interrupt_during_a_move_reaches_the_caller_and_leaks_nothing(make_store, engine, way):
+    """A KeyboardInterrupt raised while a batch copies goes up to the caller (it is never swallowed
+    as a failed copy where the caller runs the unit), and the batch still completes as failed: no
+    block stays in flight, every reserved slot comes back, the store goes on."""
+    store = make_store(2, 2, 4, engine=engine, delay_us=100)
+    block_ids, contents = filled(store, 2)
+    free_before = store.state.free_slots()
+    faults = Faults(store, every_batch, way, error=KeyboardInterrupt())
+    try:
+        if way == "in_unit" and engine == "thread":  # raised on the engine's own thread: a failed copy
+            store.demote(block_ids, WARM)
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                store.demote(block_ids, WARM)
+    finally:
+        faults.remove()
+    assert not store.state.in_flight
+    assert store.state.free_slots() == free_before and tiers_of(store, block_ids) == [HOT, HOT]
+    assert_intact(store, contents)
+    store.demote(block_ids, WARM)
+    assert tiers_of(store, block_ids) == [WARM, WARM]
+    assert_intact(store, contents)

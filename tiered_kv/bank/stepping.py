@@ -120,7 +120,9 @@ class Stepping:
                 lease = store.open_step(request)
                 if lease is not None:
                     return lease
-                if not store.wait_for_change(version, deadline - time.monotonic()):
+                # short waits: room held by a copy's fence (GPU) frees without anyone signalling it
+                store.wait_for_change(version, min(0.05, max(0.0, deadline - time.monotonic())))
+                if time.monotonic() >= deadline:
                     raise CapacityError(
                         f"this step needs room that other chats' running steps held for {PIN_WAIT_S:.0f} s; "
                         "nothing was written. Raise a tier's capacity or run fewer chats at once")

@@ -191,9 +191,12 @@ class StepReads:
         """Wait for every fetch still in flight (before the step's lease may end)."""
         for future in list(self._fetches.values()):
             try:
-                future.result()
+                ready = future.result()
             except BaseException:  # noqa: BLE001 - the step is ending either way; the error was raised to it
-                pass
+                continue
+            # on CUDA a fetch nobody read may still be writing its buffer on the worker's stream: the
+            # compute stream (which reuses the buffer next) and the step's end fence come after it
+            self._worker().wait_ready(ready)
         self._fetches.clear()
 
     # ---- filling buffers ---------------------------------------------------------------------

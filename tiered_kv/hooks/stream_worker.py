@@ -12,6 +12,7 @@ A fetch reads through the step's lease, never under the store's lock. The store 
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -54,4 +55,6 @@ class StreamWorker:
             torch.cuda.current_stream(self.device).wait_event(done)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Stop the worker, waiting for a fetch that runs (unless called from the worker itself)."""
+        on_worker = threading.current_thread().name.startswith("tiered-kv-stream")
+        self._pool.shutdown(wait=not on_worker)

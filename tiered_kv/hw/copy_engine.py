@@ -16,7 +16,9 @@ every unit submitted to the engine before it, is complete:
   writes, checksums) runs at once; `host_wait()` inside a unit waits for its copies so far.
 
 An exception a unit raises never escapes `submit`: it is kept on the event (`event.error`), which
-then counts as passed. The caller fails the unit's whole batch (store/transfers.py).
+then counts as passed. The caller fails the unit's whole batch (store/transfers.py). An interrupt
+(KeyboardInterrupt, SystemExit) raised where the caller runs the unit (sync, CUDA) is kept on the
+event too, and then raised from `submit`: the batch fails and the interrupt still reaches the user.
 
 `compute_fence()` marks the device work queued so far on the compute stream (None where compute
 is synchronous, on CPU): host memory that queued work may still read (a warm slot copied to the
@@ -106,7 +108,7 @@ class SyncCopyEngine:
         try:
             unit()
             self.host_wait()
-        except BaseException as error:  # noqa: BLE001 - kept on the event: the batch fails
+        except Exception as error:  # noqa: BLE001 - kept on the event: the batch fails
             return PassedEvent(error)
         return PassedEvent()
 
@@ -199,14 +201,19 @@ class CudaCopyEngine:
     def submit(self, unit: Unit) -> CopyEvent:
         # the unit's copies must see everything compute queued before (K/V written this step)
         self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        error = None
+        error, interrupt = None, None
         with torch.cuda.stream(self.side_stream):
             try:
                 unit()
-            except BaseException as caught:  # noqa: BLE001 - kept on the event: the batch fails
+            except Exception as caught:  # noqa: BLE001 - kept on the event: the batch fails
                 error = caught
+            except BaseException as caught:  # an interrupt: the event still records what was issued
+                error = interrupt = caught
             event = torch.cuda.Event()
             event.record(self.side_stream)
+        if interrupt is not None:
+            interrupt.copy_event = _CudaEvent(event, interrupt)  # what was issued is still covered
+            raise interrupt
         return _CudaEvent(event, error)
 
     def host_wait(self) -> None:

@@ -51,7 +51,8 @@ class Allocation:
             try:
                 return self.allocate_pinned(owner, num_blocks, protect, follow)
             except Retry:
-                if not store.wait_for_change(version, deadline - time.monotonic()):
+                store.wait_for_change(version, min(0.05, max(0.0, deadline - time.monotonic())))
+                if time.monotonic() >= deadline:
                     raise self.capacity_error(num_blocks) from None
             finally:
                 with store.lock:

@@ -75,9 +75,11 @@ class DemandMoves:
     def run_batch(self, batch: TransferBatch) -> None:
         """launch and wait (no lock), then complete (lock); the wait is charged to this thread."""
         start_s = time.perf_counter()
-        self.transfers.run(batch)
-        with self.lock:
-            self.transfers.complete(batch)
+        try:
+            self.transfers.run(batch)  # an interrupt is raised again here, once the copies are done
+        finally:
+            with self.lock:
+                self.transfers.complete(batch)  # (a failed batch gives its reservations back)
         self._charge(batch, time.perf_counter() - start_s)
 
     def _charge(self, batch: TransferBatch, seconds: float) -> None:

@@ -54,12 +54,12 @@ class Opening:
             state.drain()
             if self._in_demand_flight(request.block_set):
                 return None
-            self._cancel_background(request.block_set)
-            state.pin(owner, request.block_set)
-            if request.count_turn_start and request.promotion_order:  # where the history was when the turn began
-                count_turn_start(store.metrics, state.placements(request.promotion_order)[0])
             build = _Build(self, request)
             build.shared_tails = self._shared_tails(request)
+            if request.count_turn_start and request.promotion_order:  # where the history was when the turn began
+                count_turn_start(store.metrics, state.placements(request.promotion_order)[0])
+            self._cancel_background(request.block_set)
+            state.pin(owner, request.block_set)  # last: nothing that can raise comes between it and the try
         try:
             build.copy_tails()
             build.allocate_new_blocks()
@@ -169,12 +169,12 @@ class Opening:
         lease.ended = True
         store, state = self.store, self.store.state
         with store.lock:
-            state.leases.pop(lease.owner, None)
-            state.unpin(lease.owner)
-            if lease.reads_host_tiers:
+            if lease.reads_host_tiers:  # before unpinning: the slots it read wait for this fence
                 fence = store.copy_engine.compute_fence()
                 if fence is not None:
-                    state.host_fence = fence
+                    state.add_host_fence(fence)
+            state.leases.pop(lease.owner, None)
+            state.unpin(lease.owner)
             closed = store.is_closed
             if aborted and not closed:
                 state.release(lease.allocated_block_ids)

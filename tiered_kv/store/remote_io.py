@@ -11,11 +11,16 @@ The network round trips run outside the store lock (remote/tier.py).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..errors import CapacityError
 from ..metrics.registry import BACKGROUND, ON_DEMAND
 from .allocation import Retry, pseudo_owner
+
+
+IN_FLIGHT_WAIT_S = 5.0  # the remote writer waits this long for a block a move has in flight
 
 
 class RemoteIO:
@@ -60,15 +65,27 @@ class RemoteIO:
                 store.state.unpin(owner)
 
     def read_block_bytes(self, block_id: int, key: bytes):
-        """The bytes (uint8 numpy) of `block_id` if it still holds `key` and is intact; else None."""
+        """The bytes (uint8 numpy) of `block_id` if it still holds `key` and is intact; else None.
+        A block a move has in flight is read once it landed (waited for up to IN_FLIGHT_WAIT_S).
+        Runs while the store closes too: close() flushes the writer before the transfers stop."""
         store = self.store
         owner = pseudo_owner()
-        with store.lock:
-            state = store.state
-            if store.is_closing or block_id not in state.index:
+        deadline = time.monotonic() + IN_FLIGHT_WAIT_S
+        while True:
+            version = store.change_version
+            with store.lock:
+                state = store.state
+                if store.is_closed or block_id not in state.index:
+                    return None
+                entry = state.index.get(block_id)
+                if entry.key != key or entry.is_corrupt:
+                    return None
+                if block_id not in state.in_flight:
+                    break
+            if not store.wait_for_change(version, deadline - time.monotonic()):
                 return None
-            entry = state.index.get(block_id)
-            if entry.key != key or entry.is_corrupt or block_id in state.in_flight:
+        with store.lock:
+            if block_id not in state.index or state.index.get(block_id).key != key or block_id in state.in_flight:
                 return None
             state.pin(owner, {block_id})
             out = torch.empty(store.layout.record_shape(), dtype=store.dtype, pin_memory=store.pinned)

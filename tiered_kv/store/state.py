@@ -68,7 +68,7 @@ class StoreState:
         self.leases: dict[int, object] = {}  # owner -> its StepLease while the step runs (leases.py)
         self.in_flight: dict[int, object] = {}  # block id -> the Transfer copying it (transfers.py)
         self._deferred_frees: list[tuple[int, int, tuple[CopyEvent, ...]]] = []  # (tier, slot, fences)
-        self.host_fence: CopyEvent | None = None  # compute work that may still read warm slots (CUDA)
+        self.host_fences: list[CopyEvent] = []  # compute work that may still read warm slots (CUDA)
         self._quarantined: list[tuple[int, int, int]] = []  # (block, tier, slot) of pinned corrupt blocks
         self._released_later: deque = deque()  # (block ids, step owner) of banks the collector took
         self._drop_warnings = Throttle(log)
@@ -144,15 +144,22 @@ class StoreState:
     # ---- freeing ---------------------------------------------------------------------------------
     def free_slot(self, tier: int, slot: int, after: CopyEvent | None = None) -> None:
         """Give a slot back, once `after` (a copy that may still use it) has passed."""
-        fences = tuple(f for f in (after, self.host_fence if tier == WARM else None) if f is not None)
+        fences = (after,) if after is not None else ()
+        if tier == WARM and self.host_fences:
+            self.host_fences = [f for f in self.host_fences if not f.done()]
+            fences += tuple(self.host_fences)
         if all(f.done() for f in fences):
             self._free_now(tier, slot)
         else:
             self._deferred_frees.append((tier, slot, fences))
 
+    def add_host_fence(self, fence: CopyEvent) -> None:
+        """Compute queued so far may still read warm slots (a step read host memory on the device)."""
+        self.host_fences = [f for f in self.host_fences if not f.done()] + [fence]
+
     def _free_now(self, tier: int, slot: int) -> None:
         self.pools[tier].free([slot])
-        if tier == COLD:
+        if tier == COLD and self.tiers[COLD] is not None:  # (None once the store closed)
             self.tiers[COLD].forget([slot])
 
     def drain(self) -> None:
@@ -164,6 +171,8 @@ class StoreState:
                     self._free_now(tier, slot)
                 else:
                     waiting.append((tier, slot, fences))
+            if len(waiting) < len(self._deferred_frees):
+                self.changes.bump()  # room came free: a step waiting for it tries again
             self._deferred_frees = waiting
         while self._released_later:
             block_ids, owner = self._released_later.popleft()
@@ -259,7 +268,7 @@ class StoreState:
         """A published block whose whole data is in the cold tier gets a durable record there
         (written behind by the cold tier's writer thread), so a later process can reuse it."""
         entry = self.index.get(block_id)
-        if entry.tier == COLD and entry.key is not None and entry.root is not None:
+        if entry.tier == COLD and entry.key is not None and entry.root is not None and self.tiers[COLD] is not None:
             try:
                 self.tiers[COLD].persist(entry.slot, entry.key, entry.root)
             except ValueError as error:  # not whole yet: it stays a cold block, just not durable
@@ -272,6 +281,8 @@ class StoreState:
         flight, or a deferred free; nothing is pinned or in flight once everything ended."""
         problems = []
         in_flight_dst = {(t.dst_tier, t.dst_slot) for t in self.in_flight.values()}
+        problems += [f"block {b} is still in flight in a batch that completed" for b, t in self.in_flight.items()
+                     if t.batch.completed]
         deferred = {(tier, slot) for tier, slot, _ in self._deferred_frees}
         quarantined = self.quarantined_slots()
         for tier, pool in enumerate(self.pools):

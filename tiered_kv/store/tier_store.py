@@ -365,7 +365,7 @@ class TierStore:
     def stream_worker(self):
         """The thread (and CUDA side stream) that fetches hooked steps' layers ahead (tiered_kv.hooks)."""
         worker = self._stream_worker
-        if worker is not None and not self.is_closing:  # (every fetch asks: no lock once it exists)
+        if worker is not None:  # (every fetch asks: no lock once it exists; close() joins it last)
             return worker
         from ..hooks.stream_worker import StreamWorker
         with self.lock:
@@ -390,9 +390,9 @@ class TierStore:
                 self.remote.close()  # its writer reads blocks through the transfers: before they stop
             if self.mover is not None:
                 self.mover.stop()
+            self._wait_for_leases(CLOSE_WAIT_S)  # running steps end first: they may still fetch layers
             if self._stream_worker is not None:
                 self._stream_worker.close()
-            self._wait_for_leases(CLOSE_WAIT_S)
             if self.is_bound:
                 try:
                     with self.lock:

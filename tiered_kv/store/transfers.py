@@ -17,10 +17,9 @@ writer's reads — is a `TransferBatch` that goes
 Any exception in `launch` — raised by it, or by the unit on the engine's thread — fails every
 move of its batch: nothing is committed, the reserved slots go back once the event has passed,
 the blocks stay where they were, and the failure is counted (`failed_moves_total`) and logged.
-A block that fails its checksum on the way is marked corrupt (never served) and the batch's other
-moves still count. A move whose block a step started to use meanwhile is cancelled: the block
-stays where the step mapped it. `store.transfers` is public: tests wrap `launch` to inject faults
-and delays.
+A block failing its checksum on the way is marked corrupt (never served); the others still count.
+A move whose block a step began to use meanwhile is cancelled: it stays where the step mapped it.
+`store.transfers` is public: tests wrap `launch` to inject faults and delays.
 """
 
 from __future__ import annotations
@@ -97,6 +96,7 @@ class Transfers:
         self.block_bytes = block_bytes
         self.staging = staging  # mode -> copies.Staging (host staging, device staging, reader)
         self._failure_warnings = Throttle(log)
+        self.closed = False  # after close(): nothing is prepared any more
 
     # ---- prepare (store lock held) -------------------------------------------------------------
     def prepare(self, moves: list[Move], mode: str, movable=None) -> TransferBatch:
@@ -105,6 +105,8 @@ class Transfers:
         destination slot. The others wait for a later batch, planned afresh."""
         state, index = self.state, self.state.index
         batch = TransferBatch(mode)
+        if self.closed:  # a caller still running while its store closed: nothing moves any more
+            return batch
         hot_run = self._hot_run([m for m in moves if m.dst_tier == HOT and m.dst_slot is None])
         taken: set[int] = set()
         for move in moves:
@@ -164,8 +166,7 @@ class Transfers:
     def _reserve(self, tier: int, slot: int | None) -> int | None:
         pool = self.state.pools[tier]
         if slot is None:
-            allocated = pool.allocate(1)
-            return allocated[0] if allocated is not None else None
+            return (pool.allocate(1) or [None])[0]
         if 0 <= slot < pool.num_slots and not pool.is_used(slot):
             pool.take([slot])
             return slot
@@ -192,8 +193,14 @@ class Transfers:
         tiers, transfers = self.state.tiers, list(batch.transfers)
         with staging.lock:  # one batch at a time per staging set; waits for its previous user's copies
             staging.wait_idle()
-            batch.event = self.engine.submit(lambda: copies.run(tiers, transfers, staging, self.engine, self.metrics))
-            staging.last_event = batch.event
+            try:
+                batch.event = self.engine.submit(lambda: copies.run(tiers, transfers, staging, self.engine,
+                                                                    self.metrics))
+            except BaseException as interrupt:  # (an interrupt: the copies issued so far keep their event)
+                batch.event = getattr(interrupt, "copy_event", None)
+                raise
+            finally:
+                staging.last_event = batch.event
 
     def run(self, batch: TransferBatch) -> None:
         """launch, then wait for the copies (no lock held). A raising launch marks the batch failed;
@@ -302,6 +309,7 @@ class Transfers:
 
     def close(self) -> None:
         """Wait for every copy issued, then stop the engine and the staging readers."""
+        self.closed = True
         self.engine.synchronize()
         self.engine.close()
         for staging in self.staging.values():
