@@ -1,16 +1,21 @@
 #!/usr/bin/env python
-"""One prepared run on a lent GPU: every figure issue 8 item 6 asks for, in one JSON file.
+"""One prepared run on a lent GPU: the device figures of issues 8 and 17, in one JSON file.
 
-    python3 bench/gpu_check.py --out $OUT/gpu.json          # the GPU run (about 4-6 minutes)
+    python3 bench/gpu_check.py --out $OUT/gpu.json          # the GPU run (at most --budget-s, 300 s)
     python3 bench/gpu_check.py --quick --out /tmp/q.json    # tiny sizes on CPU (< 1 minute)
 
 Sections, in this order, each in its own child process with its own time limit (a crash, a
 hang or a poisoned CUDA context in one cannot take the others down):
   env     versions, the GPU, and which backends tiered_kv chose at start
   kernels tiered_kv.kernels.selfcheck(): max abs error of each CUDA kernel against torch
-  decode  greedy decode tokens/s at 4k and 32k context: DynamicCache, CacheBank (no hooks,
-          hooks exact, hooks merge), and a bank whose hot tier holds 25% of the chat (rest warm)
-  warm    hot<->warm block moves through a TierStore beside plain pinned copies of the bytes
+  decode  greedy decode at 4k and 32k context, variants interleaved round by round: DynamicCache,
+          a second DynamicCache (the A/A control), CacheBank (no hooks, hooks exact, hooks
+          merge), and the same with hot = 25% of the chat (rest warm; merge there runs the
+          native paged kernel on CUDA). Per step: GPU ms (CUDA events) and host ms (perf_counter
+          around the call); syncs per step; the SDPA backend each path ran; tokens and logits
+          against DynamicCache's
+  warm    ~2,000 hot<->warm block moves through a TierStore beside plain pinned copies of the
+          same bytes, interleaved round by round; store host time per block
   cold    cold reads: kvikio (GPUDirect Storage or its compat mode) beside preadv + copy, raw
           and through the cold tier (TierStore demote to cold, then promote)
   pytest  a few test files on this machine (where they fit in the time left)
@@ -36,15 +41,18 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("env", "kernels", "decode", "warm", "cold", "pytest")
-# hard limit per section (the child is killed past it) and the soft deadline inside it, seconds
-LIMITS_S = {"env": 40, "kernels": 45, "decode": 150, "warm": 35, "cold": 60, "pytest": 60}
+# hard limit per section (the child is killed past it), seconds; they add up to less than the
+# default budget, and shrink in proportion under a smaller --budget-s
+LIMITS_S = {"env": 30, "kernels": 30, "decode": 120, "warm": 28, "cold": 35, "pytest": 37}
 QUICK_LIMITS_S = {"env": 30, "kernels": 30, "decode": 60, "warm": 30, "cold": 30, "pytest": 40}
-SOFT_MARGIN_S = 12  # a section stops starting new parts this long before its hard limit
-TOTAL_BUDGET_S = 360
+SOFT_MARGIN_S = 12  # a section stops starting new parts this long before its hard limit (at most 30% of it)
+ORCHESTRATOR_RESERVE_S = 3  # per section: starting it, killing it at its limit, reading its JSON
+TOTAL_BUDGET_S = 300
 GB = 1e9
 
 # SmolLM2-135M's shape (the weights are not carried: random init, same compute and KV bytes)
@@ -55,12 +63,14 @@ TINY_SHAPE = dict(vocab_size=256, hidden_size=96, intermediate_size=128, num_hid
                   num_attention_heads=6, num_key_value_heads=3, head_dim=16, tie_word_embeddings=True)
 
 SIZES = {  # per mode: what each section moves
-    "full": dict(shape=SMOLLM2_SHAPE, contexts=(4096, 32768), decode_steps=64, slow_decode_steps=16,
-                 slow_context=8192, repeats=3, block_size=16, warm_bytes=1 << 30, warm_repeats=3,
-                 cold_raw_bytes=1 << 30, cold_tier_bytes=1 << 29, pytest=("tests/test_kernels.py",
+    # decode: decode_steps per timed chunk (long_decode_steps above long_context tokens), up to
+    # decode_rounds timed rounds after the warm-up chunk; warm: warm_blocks moved each way per round
+    "full": dict(shape=SMOLLM2_SHAPE, contexts=(4096, 32768), decode_steps=16, long_decode_steps=8,
+                 long_context=8192, decode_rounds=5, block_size=16, warm_blocks=2000, warm_rounds=5,
+                 cold_raw_bytes=1 << 29, cold_tier_bytes=1 << 28, pytest=("tests/test_kernels.py",
                  "tests/test_hooks.py", "tests/test_equivalence.py")),
-    "quick": dict(shape=TINY_SHAPE, contexts=(40, 120), decode_steps=4, slow_decode_steps=3, slow_context=64,
-                  repeats=1, block_size=16, warm_bytes=4 << 20, warm_repeats=2, cold_raw_bytes=8 << 20,
+    "quick": dict(shape=TINY_SHAPE, contexts=(40, 120), decode_steps=4, long_decode_steps=3, long_context=64,
+                  decode_rounds=5, block_size=16, warm_blocks=64, warm_rounds=3, cold_raw_bytes=8 << 20,
                   cold_tier_bytes=2 << 20, pytest=("tests/test_config.py",)),
 }
 
@@ -109,7 +119,7 @@ class Recorder:
     def __init__(self, path: str, name: str, limit_s: float):
         self.path, self.name = path, name
         self.started = time.monotonic()
-        self.deadline = self.started + max(1.0, limit_s - SOFT_MARGIN_S)
+        self.deadline = self.started + max(1.0, limit_s - min(SOFT_MARGIN_S, 0.3 * limit_s))
         self.data: dict = {"status": "running"}
 
     def left_s(self) -> float:
@@ -461,7 +471,9 @@ def build_model(ctx, max_tokens: int):
 
 def bank_config(ctx, total_tokens: int, hot_share: float | None) -> dict:
     """All hot (hot_share None) or hot = hot_share of the chat's blocks and warm the rest.
-    Watermarks 1.0 so the mover never demotes below the budget: the budget is the experiment."""
+    Watermarks 1.0 so nothing demotes below the budget (the budget is the experiment); the mover
+    is off unless --decode-mover (with every variant's store open at once, idle movers would tax
+    every variant's steps, DynamicCache's included)."""
     bs = ctx.sizes["block_size"]
     blocks = -(-total_tokens // bs) + 2
     full = {"high_watermark": 1.0, "low_watermark": 1.0}
@@ -471,110 +483,557 @@ def bank_config(ctx, total_tokens: int, hot_share: float | None) -> dict:
         hot = max(1, math.ceil(hot_share * blocks))
         warm = blocks
     return {"block_size": bs, "hot": {"device": str(ctx.device), "capacity_blocks": hot, **full},
-            "warm": {"capacity_blocks": warm, "pinned": "auto", **full}, "cold": {"capacity": 0}}
+            "warm": {"capacity_blocks": warm, "pinned": "auto", **full}, "cold": {"capacity": 0},
+            "scheduler": {"background": bool(getattr(ctx.args, "decode_mover", False))}}
 
 
-VARIANTS = (  # name, cache, hooks mode, hot share
-    ("dynamic", "dynamic", None, None),
-    ("bank", "bank", None, None),
-    ("bank_hooks_exact", "bank", "exact", None),
-    ("bank_hooks_merge", "bank", "merge", None),
-    ("bank_hot25_hooks_exact", "bank", "exact", 0.25),
-    ("bank_hot25_hooks_merge", "bank", "merge", 0.25),  # decode through native/paged_decode.cu
-    ("bank_hot25", "bank", None, 0.25),
+# name, cache, hooks mode, hot share, what it is. Every round runs one timed chunk of each, in an
+# order rotated by one place per round and reversed every other round (round_order).
+DECODE_VARIANTS = (
+    ("dynamic", "dynamic", None, None, "transformers DynamicCache: the reference"),
+    ("dynamic_control", "dynamic", None, None,
+     "a second DynamicCache, timed like any variant: the A/A control (its ratio to dynamic is the noise)"),
+    ("bank", "bank", None, None, "CacheBank, all hot, no hooks"),
+    ("bank_hooks_exact", "bank", "exact", None, "all hot, tiered_kv.hooks exact"),
+    ("bank_hooks_merge", "bank", "merge", None, "all hot, tiered_kv.hooks merge"),
+    ("bank_hot25", "bank", None, 0.25, "hot = 25% of the chat's blocks, the rest warm, no hooks"),
+    ("bank_hot25_hooks_exact", "bank", "exact", 0.25, "hot 25%, rest warm, hooks exact"),
+    ("bank_hot25_hooks_merge", "bank", "merge", 0.25,
+     "hot 25%, rest warm, hooks merge: on CUDA with the native kernels a decode step runs "
+     "native/paged_decode.cu (hook_paths.layers_paged says whether it did)"),
 )
+# CPU only: the same merge step through the paged path, the kernels' torch reference standing in
+# for native/paged_decode.cu (tiered_kv.hooks.attention.PAGED_ON_CPU, what the tests use), so a
+# dry run exercises the plumbing the GPU run's bank_hot25_hooks_merge takes
+PAGED_REF_VARIANT = ("bank_hot25_hooks_merge_paged_ref", "bank", "merge", 0.25,
+                     "CPU only: hot 25%, hooks merge through the paged path (torch reference kernels)")
+EXPECTED_BITWISE = {"dynamic_control", "bank", "bank_hooks_exact", "bank_hot25", "bank_hot25_hooks_exact"}
+SDPA_OPS = {  # profiler op name -> the SDPA backend it is
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash_cpu",
+    "aten::_scaled_dot_product_efficient_attention": "mem_efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+ATTENTION_KERNEL_WORDS = ("flash", "fmha", "attention", "attn", "sdpa", "cudnn", "paged", "gather", "merge",
+                          "softmax")
+IMPLICIT_SYNC = "implicit (torch sync debug mode)"
 
 
-def decode_variant(ctx, model, prompt, variant, n_steps: int, repeats: int, deadline: float) -> dict:
+class SyncCounter:
+    """Counts CUDA host syncs while active (CUDA only):
+    - torch's sync debug mode set to "warn": torch warns at every synchronizing operation it
+      knows (item/tolist, a D2H copy to pageable memory, nonzero, stream and device synchronize),
+      each warning recorded (filter "always", so none is folded into an earlier one);
+    - torch.cuda.synchronize, torch.cuda.Event.synchronize and torch.cuda.Stream.synchronize
+      wrapped (debug mode off inside them, so each counts once: Event.synchronize never warns).
+    Tensor.item / tolist on CUDA tensors are also counted apart (`item_tolist`), as a check that
+    the debug-mode warnings were captured (they are part of the implicit count, not added).
+    Not seen: syncs inside cupy (the native kernels' module) and in C++ threads."""
+
+    def __init__(self):
+        import collections
+
+        self.counts = collections.Counter()
+        self.item_tolist = 0
+        self._saved: list = []
+        self._seen = 0
+        self._log: list | None = None
+        self._warnings = None
+
+    def __enter__(self):
+        import torch
+
+        def wrap(owner, attr, kind, cuda_tensor_only=False):
+            original = getattr(owner, attr)
+
+            def wrapper(*args, **kwargs):
+                if cuda_tensor_only:
+                    if args and getattr(args[0], "is_cuda", False):
+                        self.item_tolist += 1
+                    return original(*args, **kwargs)
+                self.counts[kind] += 1
+                mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode(0)
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode(mode)
+
+            setattr(owner, attr, wrapper)
+            self._saved.append((owner, attr, original))
+
+        wrap(torch.cuda, "synchronize", "torch.cuda.synchronize")
+        wrap(torch.cuda.Event, "synchronize", "Event.synchronize")
+        wrap(torch.cuda.Stream, "synchronize", "Stream.synchronize")
+        wrap(torch.Tensor, "item", None, cuda_tensor_only=True)
+        wrap(torch.Tensor, "tolist", None, cuda_tensor_only=True)
+        self._warnings = warnings.catch_warnings(record=True)
+        self._log = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def snapshot(self) -> dict:
+        log = self._log or []
+        for w in log[self._seen:]:
+            if "synchroniz" in str(w.message):
+                self.counts[IMPLICIT_SYNC] += 1
+        self._seen = len(log)
+        return dict(self.counts)
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.cuda.set_sync_debug_mode(0)
+        for owner, attr, original in reversed(self._saved):
+            setattr(owner, attr, original)
+        self._saved.clear()
+        if self._warnings is not None:
+            self._warnings.__exit__(*exc)
+        return False
+
+
+def _diff_counts(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def run_chunk(ctx, model, cache, first, n_steps: int, *, keep_logits: bool = False, syncs: SyncCounter | None = None):
+    """`n_steps` greedy one-token forwards from `first`. Per step: host ms (perf_counter around the
+    Python call, forward + argmax, before any sync) and, on CUDA, GPU ms (CUDA events recorded on
+    the current stream just before and after the call, read once the chunk is done)."""
+    import torch
+
+    events = None
+    if ctx.is_cuda:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n_steps)]
+    host_ms, step_syncs, logits_kept = [], [], []
+    token, tokens = first, [first]
+    ctx.sync()
+    chunk_started = time.perf_counter()
+    with torch.no_grad():
+        for step in range(n_steps):
+            if events is not None:
+                events[step][0].record()
+            before = syncs.snapshot() if syncs is not None else None
+            started = time.perf_counter()
+            logits = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
+            token = logits.argmax(-1, keepdim=True)
+            host = time.perf_counter() - started
+            if syncs is not None:
+                step_syncs.append(_diff_counts(syncs.snapshot(), before))
+            if events is not None:
+                events[step][1].record()
+            host_ms.append(1e3 * host)
+            tokens.append(token)
+            if keep_logits:  # untimed chunks only: this copy waits for the step
+                logits_kept.append(logits[0].detach().to("cpu", copy=True))
+    ctx.sync()
+    wall_s = time.perf_counter() - chunk_started
+    out = {"host_ms": host_ms, "gpu_ms": [a.elapsed_time(b) for a, b in events] if events is not None else None,
+           "wall_s": wall_s, "tokens": torch.cat(tokens, dim=1)[0].tolist()}
+    if syncs is not None:
+        out["syncs"] = step_syncs
+    if keep_logits:
+        out["logits"] = torch.stack(logits_kept)
+    return out
+
+
+def profile_step(ctx, model, cache, token) -> dict:
+    """One more forward under torch.profiler: which SDPA op each attention call ran (the aten op
+    names tell the backend: flash, mem_efficient, cudnn, math, flash_cpu), the CUDA kernels whose
+    names say attention (paged/gather/merge for the native ones), kernels and memcpys per step,
+    and the GPU busy time (sum of kernel times) of that step."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.is_cuda else [])
+    ctx.sync()
+    with torch.no_grad(), profile(activities=activities) as prof:
+        model(input_ids=token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        ctx.sync()
+    sdpa, kernels, memcpy = collections.Counter(), collections.Counter(), collections.Counter()
+    kernel_count, busy_us = 0, 0.0
+    for evt in prof.key_averages():
+        key = evt.key
+        if key in SDPA_OPS:
+            sdpa[SDPA_OPS[key]] += evt.count
+        device_type = str(getattr(evt, "device_type", ""))
+        if "CUDA" not in device_type:
+            continue
+        if key.lower().startswith(("memcpy", "memset")):
+            memcpy[key] += evt.count
+            continue
+        kernel_count += evt.count
+        busy_us += float(getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0) or 0)
+        if any(word in key.lower() for word in ATTENTION_KERNEL_WORDS):
+            kernels[key[:120]] += evt.count
+    backend = "+".join(sorted(sdpa)) if sdpa else "none (no SDPA op: attention computed another way)"
+    out = {"sdpa_backend": backend, "sdpa_calls": dict(sdpa)}
+    if ctx.is_cuda:
+        out.update(attention_kernels=dict(kernels.most_common(8)), cuda_kernels=kernel_count,
+                   memcpy=dict(memcpy), gpu_busy_ms=busy_us / 1e3)
+    return out
+
+
+class DecodeVariant:
+    """One variant's cache, state and samples for one context."""
+
+    def __init__(self, spec):
+        self.name, self.kind, self.hooks_mode, self.hot_share, about = spec
+        self.paged_ref = self.name.endswith("_paged_ref")
+        self.cache = None
+        self.first = None
+        self.tokens = None
+        self.logits = None
+        self.prefill_logits = None
+        self.last_chunk_s = None
+        self.ready = False
+        self.rounds: list[dict] = []
+        self.hooks_before_rounds = None
+        self.out: dict = {"about": about, "cache": self.kind, "hooks": self.hooks_mode, "hot_share": self.hot_share,
+                          "status": "setting up", "expected_bitwise": self.name in EXPECTED_BITWISE}
+
+    def fail(self, exc: BaseException | str) -> None:
+        self.ready = False
+        if isinstance(exc, BaseException):
+            self.out.update(status="error", **error_record(exc))
+        else:
+            self.out.update(status="error", error=exc)
+
+    def hook_counts(self):
+        if self.kind != "bank" or self.cache is None:
+            return None
+        hooks = self.cache.stats().get("hooks", {})
+        return {k: v for k, v in hooks.items() if k.startswith("layers_")}
+
+
+class active_variant:
+    """Hooks installed (and the CPU paged reference switched on) for this variant's forwards only;
+    the model is back on plain sdpa afterwards."""
+
+    def __init__(self, model, variant: DecodeVariant):
+        self.model, self.variant = model, variant
+
+    def __enter__(self):
+        v = self.variant
+        if v.hooks_mode is not None:
+            import tiered_kv.hooks as hooks
+
+            hooks.install(self.model, v.cache, mode=v.hooks_mode)
+        if v.paged_ref:
+            import tiered_kv.hooks.attention as attention
+
+            attention.PAGED_ON_CPU = True
+        return self
+
+    def __exit__(self, *exc):
+        v = self.variant
+        if v.paged_ref:
+            import tiered_kv.hooks.attention as attention
+
+            attention.PAGED_ON_CPU = False
+        if v.hooks_mode is not None:
+            import tiered_kv.hooks as hooks
+
+            hooks.uninstall(self.model)
+        if getattr(self.model.config, "_attn_implementation", "sdpa") != "sdpa":
+            self.model.set_attn_implementation("sdpa")
+        return False
+
+
+def setup_variant(ctx, model, prompt, v: DecodeVariant, n_steps: int) -> None:
+    """Build the cache, prefill the prompt (one sample: prefill_s), run the warm-up chunk (never
+    timed: its tokens and logits are the exactness figures, its steps after the first the sync
+    counts), profile one more step, crop back to the prompt."""
     import torch
     from transformers import DynamicCache
 
     import tiered_kv
 
-    name, kind, hooks_mode, hot_share = variant
-    out: dict = {"decode_steps": n_steps, "hooks": hooks_mode, "hot_share": hot_share}
     context = prompt.shape[1]
-    cfg = None
-    if kind == "dynamic":
-        cache = DynamicCache(config=model.config)
+    if v.kind == "dynamic":
+        v.cache = DynamicCache(config=model.config)
     else:
-        cfg = bank_config(ctx, context + n_steps + 1, hot_share)
-        out["config"] = cfg
-        cache = tiered_kv.CacheBank(model, cfg)
-    hooks = None
-    step_logits: list = []
-    try:
-        if hooks_mode is not None:
-            import tiered_kv.hooks as hooks
-
-            hooks.install(model, cache, mode=hooks_mode)
-        out["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+        cfg = bank_config(ctx, context + n_steps + 2, v.hot_share)
+        v.out["config"] = cfg
+        v.cache = tiered_kv.CacheBank(model, cfg)
+    with active_variant(model, v):
+        v.out["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
         with torch.no_grad():
             ctx.sync()
             started = time.perf_counter()
-            logits = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-            first = logits.argmax(-1, keepdim=True)
+            logits = model(input_ids=prompt, cache=v.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            v.first = logits.argmax(-1, keepdim=True)
             ctx.sync()
-            out["prefill_s"] = time.perf_counter() - started
-            out["prefill_tokens_per_s"] = context / out["prefill_s"]
-            samples, tokens_by_rep = [], []
-            for rep in range(1 + repeats):  # rep 0 warms up (first-call costs stay out of the figure)
-                if rep and time.monotonic() + (samples[-1] if samples else out["warmup_s"]) > deadline:
-                    out["repeats_cut_by_budget"] = True
-                    break
-                if rep:
-                    cache.crop(-n_steps)
-                ctx.sync()
-                started = time.perf_counter()
-                token, tokens = first, [first]
-                for step in range(n_steps):
-                    logits = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
-                    if rep == 0:  # every step's logits, to compare with DynamicCache's (untimed repeat)
-                        step_logits.append(logits[0].float().cpu())
-                    token = logits.argmax(-1, keepdim=True)
-                    tokens.append(token)
-                ctx.sync()
-                elapsed = time.perf_counter() - started
-                tokens_by_rep.append(torch.cat(tokens, dim=1)[0].tolist())
-                if rep == 0:
-                    out["warmup_s"] = elapsed
-                else:
-                    samples.append(elapsed)
-        timed = samples or [out["warmup_s"]]
-        out["step_samples_s"] = [s / n_steps for s in timed]
-        out["timed_repeats"] = len(samples)
-        out["tokens_per_s"] = n_steps / statistics.median(timed)
-        out["step_ms"] = 1e3 * statistics.median(timed) / n_steps
-        out["tokens"] = tokens_by_rep[0]
-        out["tokens_same_every_repeat"] = all(t == tokens_by_rep[0] for t in tokens_by_rep)
-        if kind == "bank":
-            stats = cache.stats()
-            out["bank_blocks"] = stats.get("bank_blocks")
-            out["tiers"] = {k: {"used_blocks": v["used_blocks"], "capacity_blocks": v["capacity_blocks"],
-                                "device": v["device"]} for k, v in stats["tiers"].items()}
-            out["bytes_moved"] = stats.get("bytes_moved")
-            out["critical_path"] = stats.get("critical_path")
-            out["link_monitor"] = stats.get("scheduler", {}).get("link_monitor")
-            out["contiguity"] = stats.get("contiguity")
-            for key in stats:
-                if key not in out and key not in ("tiers", "scheduler", "hits", "hit_rate", "store_critical_path"):
-                    out.setdefault("other_stats", {})[key] = stats[key]
-    finally:
-        if hooks is not None:
+        v.out["prefill_s"] = time.perf_counter() - started
+        v.out["prefill_tokens_per_s"] = context / v.out["prefill_s"]
+        v.prefill_logits = logits[0].detach().to("cpu", copy=True)
+        counts_before = v.hook_counts()
+        warm = None
+        if ctx.is_cuda:
             try:
-                hooks.uninstall(model)
+                with SyncCounter() as counter:
+                    warm = run_chunk(ctx, model, v.cache, v.first, n_steps, keep_logits=True, syncs=counter)
+                    implicit = counter.snapshot().get(IMPLICIT_SYNC, 0)
+                # every step's logits copy to pageable memory and the tokens' tolist() are syncs
+                # torch's debug mode must have reported: a self-check of the counting
+                v.out["sync_capture_check"] = {"implicit_total": implicit, "item_tolist": counter.item_tolist,
+                                               "logits_copies": n_steps,
+                                               "ok": implicit >= counter.item_tolist + n_steps}
+            except Exception as exc:  # noqa: BLE001 - counting failed: warm up without it
+                v.out["syncs_error"] = error_record(exc)
+                extra = v.cache.get_seq_length() - context
+                if extra > 0:
+                    v.cache.crop(-extra)
+                warm = None
+        if warm is None:
+            warm = run_chunk(ctx, model, v.cache, v.first, n_steps, keep_logits=True)
+        v.tokens, v.logits, v.last_chunk_s = warm["tokens"], warm["logits"], warm["wall_s"]
+        v.out["warmup_chunk"] = {"steps": n_steps, "wall_s": warm["wall_s"], "host_ms": warm["host_ms"],
+                                 "gpu_ms": warm["gpu_ms"]}
+        if "syncs" in warm:
+            per_step = warm["syncs"]
+            counted = per_step[1:] if len(per_step) > 1 else per_step  # the first step pays one-time costs
+            totals = [sum(s.values()) for s in counted]
+            kinds: dict = {}
+            for s in counted:
+                for k, n in s.items():
+                    kinds[k] = kinds.get(k, 0) + n
+            v.out["syncs_per_step"] = _median(totals)
+            v.out["syncs_per_step_max"] = max(totals) if totals else None
+            v.out["syncs_first_step"] = sum(per_step[0].values()) if per_step else None
+            v.out["sync_kinds_per_step"] = {k: n / max(1, len(counted)) for k, n in kinds.items()}
+        else:
+            v.out["syncs_per_step"] = None
+        started = time.perf_counter()
+        try:
+            v.out["profile"] = profile_step(ctx, model, v.cache, torch.tensor([[v.tokens[-1]]], device=ctx.device))
+            v.out["profile"]["seconds"] = round(time.perf_counter() - started, 3)
+            profiled = 1
+        except BaseException as exc:  # noqa: BLE001 - the backend stays unknown, the timing goes on
+            v.out["profile"] = error_record(exc)
+            profiled = v.cache.get_seq_length() - context - n_steps
+        v.out["sdpa_backend"] = v.out["profile"].get("sdpa_backend")
+        v.cache.crop(-(n_steps + profiled))
+        if v.cache.get_seq_length() != context:
+            raise RuntimeError(f"crop left {v.cache.get_seq_length()} tokens, expected {context}")
+        if counts_before is not None:
+            after = v.hook_counts()
+            v.out["hook_paths_warmup"] = {k: after[k] - counts_before.get(k, 0) for k in after}
+        v.hooks_before_rounds = v.hook_counts()
+    v.ready = True
+    v.out["status"] = "warmed up"
+
+
+def timed_chunk(ctx, model, v: DecodeVariant, n_steps: int, round_index: int, position: int) -> None:
+    with active_variant(model, v):
+        result = run_chunk(ctx, model, v.cache, v.first, n_steps)
+        v.cache.crop(-n_steps)
+    v.last_chunk_s = result["wall_s"]
+    v.rounds.append({"round": round_index, "position": position, "host_ms": result["host_ms"],
+                     "gpu_ms": result["gpu_ms"], "wall_ms_per_step": 1e3 * result["wall_s"] / n_steps,
+                     "tokens_same_as_warmup": result["tokens"] == v.tokens})
+
+
+def variant_figures(v: DecodeVariant, is_cuda: bool) -> dict:
+    """Medians over every timed step of every timed round; no timed round: failed, no figure."""
+    out = v.out
+    for key in ("timed_rounds", "timed_steps", "step_ms", "gpu_step_ms", "host_step_ms", "wall_step_ms",
+                "host_over_gpu", "tokens_per_s", "round_step_ms", "tokens_same_every_round"):
+        out.pop(key, None)
+    out["timed_rounds"] = len(v.rounds)
+    if not v.rounds:
+        if out.get("status") != "error":
+            out["status"] = "failed"
+            out["error"] = out.get("error") or "no timed repeat: no round ran this variant (budget or setup)"
+        return out
+    host = [x for r in v.rounds for x in r["host_ms"]]
+    gpu = [x for r in v.rounds for x in r["gpu_ms"]] if is_cuda else None
+    out["timed_steps"] = len(host)
+    out["host_step_ms"] = statistics.median(host)
+    out["gpu_step_ms"] = statistics.median(gpu) if gpu else None
+    out["wall_step_ms"] = statistics.median(r["wall_ms_per_step"] for r in v.rounds)
+    out["step_ms"] = out["gpu_step_ms"] if gpu else out["host_step_ms"]
+    out["step_clock"] = "cuda_events" if gpu else "perf_counter"
+    out["host_over_gpu"] = out["host_step_ms"] / out["gpu_step_ms"] if gpu else None
+    out["tokens_per_s"] = 1e3 / out["step_ms"]
+    out["round_step_ms"] = {r["round"]: statistics.median(r["gpu_ms"] if gpu else r["host_ms"]) for r in v.rounds}
+    out["tokens_same_every_round"] = all(r["tokens_same_as_warmup"] for r in v.rounds)
+    if out.get("status") != "error":
+        out["status"] = "ok"
+    return out
+
+
+def compare_variants(row: dict, variants: list[DecodeVariant]) -> None:
+    """Each variant against DynamicCache: speed (dynamic step / variant step: >1 is faster), the
+    paired per-round ratio, greedy tokens, and every logit of the prefill and the warm-up chunk."""
+    import torch
+
+    by_name = {v.name: v for v in variants}
+    ref = by_name.get("dynamic")
+    for v in variants:
+        out = v.out
+        if ref is not None and v is not ref and "step_ms" in out and "step_ms" in ref.out:
+            out["speed_vs_dynamic"] = ref.out["step_ms"] / out["step_ms"]
+            out["host_speed_vs_dynamic"] = ref.out["host_step_ms"] / out["host_step_ms"]
+            paired = [ref.out["round_step_ms"][r] / t for r, t in out["round_step_ms"].items()
+                      if r in ref.out["round_step_ms"]]
+            out["paired_speed_vs_dynamic"] = statistics.median(paired) if paired else None
+        if ref is not None and v is not ref and v.tokens is not None and ref.tokens is not None:
+            n = min(len(v.tokens), len(ref.tokens))
+            mismatch = next((i for i in range(n) if v.tokens[i] != ref.tokens[i]), None)
+            out["tokens_equal_dynamic"] = mismatch is None and len(v.tokens) == len(ref.tokens)
+            out["first_mismatch_index"] = mismatch
+            out["logits_dtype"] = str(v.logits.dtype).replace("torch.", "")
+            steps = min(len(v.logits), len(ref.logits))
+            diff = (v.logits[:steps].float() - ref.logits[:steps].float()).abs()
+            out["logits_steps_compared"] = steps
+            out["logits_bitwise_equal"] = bool(torch.equal(v.logits[:steps], ref.logits[:steps]))
+            out["logits_max_abs_diff"] = float(diff.max()) if diff.numel() else 0.0
+            out["logits_max_abs_diff_per_step"] = [float(d.max()) for d in diff]
+            out["prefill_logits_bitwise_equal"] = bool(torch.equal(v.prefill_logits, ref.prefill_logits))
+            out["prefill_logits_max_abs_diff"] = float((v.prefill_logits.float() - ref.prefill_logits.float()).abs().max())
+    for name, all_hot in (("bank_hot25", "bank"), ("bank_hot25_hooks_exact", "bank_hooks_exact"),
+                          ("bank_hot25_hooks_merge", "bank_hooks_merge"),
+                          ("bank_hot25_hooks_merge_paged_ref", "bank_hooks_merge")):
+        a, b = by_name.get(name), by_name.get(all_hot)
+        if a is not None and b is not None and "step_ms" in a.out and "step_ms" in b.out:
+            a.out["speed_vs_all_hot_same_hooks"] = b.out["step_ms"] / a.out["step_ms"]
+    control = by_name.get("dynamic_control")
+    if control is not None:
+        c = control.out
+        ratio = c.get("speed_vs_dynamic")
+        row["control"] = {"speed_vs_dynamic": ratio, "paired_speed_vs_dynamic": c.get("paired_speed_vs_dynamic"),
+                          "host_speed_vs_dynamic": c.get("host_speed_vs_dynamic"),
+                          "within_3pct": None if ratio is None else abs(ratio - 1.0) <= 0.03,
+                          "logits_bitwise_equal": c.get("logits_bitwise_equal")}
+    bad = [v.name for v in variants if v.out.get("tokens_equal_dynamic") is False
+           or (v.out.get("expected_bitwise") and v.out.get("logits_bitwise_equal") is False)]
+    row["exactness_ok"] = not bad
+    row["exactness_off"] = bad
+
+
+def bank_figures(v: DecodeVariant) -> None:
+    if v.kind != "bank" or v.cache is None:
+        return
+    stats = v.cache.stats()
+    v.out["bank_blocks"] = stats.get("bank_blocks")
+    v.out["tiers"] = {k: {"used_blocks": t["used_blocks"], "capacity_blocks": t["capacity_blocks"],
+                          "device": t["device"]} for k, t in stats["tiers"].items()}
+    v.out["contiguity"] = stats.get("contiguity")
+    v.out["bytes_moved"] = stats.get("bytes_moved")
+    v.out["critical_path"] = stats.get("critical_path")
+    hooks = stats.get("hooks", {})
+    v.out["stream_buffers_bytes"] = hooks.get("stream_buffers_bytes")
+    steps = sum(len(r["host_ms"]) for r in v.rounds)
+    if v.hooks_before_rounds is not None and steps:
+        after = {k: n for k, n in hooks.items() if k.startswith("layers_")}
+        v.out["hook_paths_per_step"] = {k: (after[k] - v.hooks_before_rounds.get(k, 0)) / steps for k in after}
+
+
+def round_order(items: list, round_index: int) -> list:
+    """Round r (from 1): the list rotated by r - 1 places (r in even rounds), reversed in even
+    rounds, so an item's place changes every round and neighbours swap (A then B, then B then A)."""
+    even = round_index % 2 == 0
+    shift = (round_index - 1 + even) % max(1, len(items))
+    order = items[shift:] + items[:shift]
+    return order[::-1] if even else order
+
+
+def run_context(ctx, rec: Recorder, model, context: int, specs, deadline: float) -> dict:
+    import torch
+
+    sizes = ctx.sizes
+    n_steps = sizes["decode_steps"] if context <= sizes["long_context"] else sizes["long_decode_steps"]
+    generator = torch.Generator().manual_seed(context)
+    prompt = torch.randint(3, model.config.vocab_size, (1, context), generator=generator).to(ctx.device)
+    variants = [DecodeVariant(spec) for spec in specs]
+    row: dict = {"context": context, "decode_steps_per_chunk": n_steps, "max_rounds": sizes["decode_rounds"],
+                 "variants": {v.name: v.out for v in variants}, "rounds": []}
+    min_left = 8 if ctx.mode == "full" else 1
+    try:
+        for v in variants:
+            # set up only what leaves time for one round of everything set up so far
+            ready = [u for u in variants if u.ready]
+            setups = [u.out["setup_s"] for u in variants if "setup_s" in u.out]
+            chunk_s = sum(u.last_chunk_s or 0.0 for u in ready)
+            need = (statistics.mean(setups) if setups else 0.0) + 1.25 * (chunk_s + chunk_s / max(1, len(ready)))
+            if rec.left_s() < min_left + need:
+                v.fail(f"not set up: section time budget ({rec.left_s():.0f} s left, about {need:.0f} s needed "
+                       "to set it up and run one round)")
+                continue
+            say(f"[decode] context {context}: set up {v.name}")
+            started = time.monotonic()
+            try:
+                setup_variant(ctx, model, prompt, v, n_steps)
+            except BaseException as exc:  # noqa: BLE001 - a failing variant is a figure
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                v.fail(exc)
+                say(f"[decode] context {context}: {v.name}: {v.out['error']}")
+            v.out["setup_s"] = round(time.monotonic() - started, 3)
+            rec.save()
+        for round_index in range(1, sizes["decode_rounds"] + 1):
+            active = [v for v in variants if v.ready]
+            if not active:
+                break
+            estimate = 1.25 * sum(v.last_chunk_s or 0.0 for v in active) + 0.02 * len(active)
+            # round 1 may use the section's time; later rounds only this context's share
+            limit_at = time.monotonic() + rec.left_s() if round_index == 1 else deadline
+            if time.monotonic() + estimate > limit_at:
+                row["rounds_cut_by_budget"] = {"before_round": round_index, "estimate_s": round(estimate, 2)}
+                break
+            order = round_order(active, round_index)
+            started = time.monotonic()
+            for position, v in enumerate(order):
+                try:
+                    timed_chunk(ctx, model, v, n_steps, round_index, position)
+                except BaseException as exc:  # noqa: BLE001
+                    if isinstance(exc, KeyboardInterrupt):
+                        raise
+                    v.fail(exc)
+                    say(f"[decode] context {context}: {v.name} round {round_index}: {v.out['error']}")
+            row["rounds"].append({"round": round_index, "order": [v.name for v in order],
+                                  "seconds": round(time.monotonic() - started, 3)})
+            for v in variants:
+                variant_figures(v, ctx.is_cuda)
+            compare_variants(row, variants)
+            rec.save()
+            say(f"[decode] context {context}: round {round_index} done ({row['rounds'][-1]['seconds']:.1f} s)")
+    finally:
+        for v in variants:
+            variant_figures(v, ctx.is_cuda)
+        compare_variants(row, variants)
+        for v in variants:
+            try:
+                bank_figures(v)
             except BaseException as exc:  # noqa: BLE001
-                out["uninstall_error"] = f"{type(exc).__name__}: {exc}"
-        if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
-            out["attn_implementation_after"] = model.config._attn_implementation
-            model.set_attn_implementation("sdpa")  # later variants must run on plain sdpa
-        if kind == "bank":
-            cache.close()
-        del cache
+                v.out["stats_error"] = f"{type(exc).__name__}: {exc}"
+            if v.kind == "bank" and v.cache is not None:
+                try:
+                    v.cache.close()
+                except BaseException as exc:  # noqa: BLE001
+                    v.out["close_error"] = f"{type(exc).__name__}: {exc}"
+            v.cache = None
+            v.out["rounds"] = [{"round": r["round"], "position": r["position"],
+                                "tokens_same_as_warmup": r["tokens_same_as_warmup"],
+                                "step_ms": statistics.median(r["gpu_ms"] or r["host_ms"]),
+                                "host_ms": [round(x, 4) for x in r["host_ms"]],
+                                "gpu_ms": [round(x, 4) for x in r["gpu_ms"]] if r["gpu_ms"] else None,
+                                "wall_ms_per_step": round(r["wall_ms_per_step"], 4)} for r in v.rounds]
         gc.collect()
         if ctx.is_cuda:
             torch.cuda.empty_cache()
-    return out, torch.stack(step_logits) if step_logits else None
+    return row
 
 
 def section_decode(ctx, rec: Recorder) -> None:
@@ -582,18 +1041,25 @@ def section_decode(ctx, rec: Recorder) -> None:
 
     sizes = ctx.sizes
     contexts = sizes["contexts"]
+    if not ctx.is_cuda and ctx.mode == "quick":
+        torch.set_num_threads(1)  # steadier on a shared CPU; the dry run checks structure, not speed
     rec.data["model"] = {"shape": sizes["shape"], "dtype": "bfloat16", "device": str(ctx.device),
+                         "torch_threads": torch.get_num_threads(),
                          "weights": "random init with SmolLM2-135M's config shape (the real weights are too big "
                                     "to carry to the GPU machine); compute and KV bytes per token are the same"
-                         if ctx.mode == "full" else "tiny random model (quick mode)",
-                         "timing": "greedy argmax, one token per forward; synchronize + perf_counter around "
-                                   "the decode loop (Python overhead included); median of the timed repeats "
-                                   "after one warm-up repeat; the cache is cropped back between repeats"}
+                         if ctx.mode == "full" else "tiny random model (quick mode)"}
+    rec.data["method"] = (
+        "per context every variant is set up in turn (prefill, one untimed warm-up chunk, one profiled step, "
+        "crop back); then each round runs one timed chunk of decode_steps_per_chunk greedy steps of every "
+        "variant, the order rotated by one place per round and reversed every other round, the cache cropped "
+        "back after each chunk; per step "
+        "host ms = perf_counter around the forward + argmax (no sync), GPU ms = CUDA events around it; "
+        "medians over every timed step of every round")
     started = time.monotonic()
     model = build_model(ctx, max(contexts) + 4 * sizes["decode_steps"])
     rec.data["build_model_s"] = round(time.monotonic() - started, 3)
 
-    def warm_up():  # CUDA context, cuBLAS handles, kernel choice: before any timed variant
+    def warm_up():  # CUDA context, cuBLAS handles, kernel choice: before any variant
         from transformers import DynamicCache
 
         ids = torch.randint(3, model.config.vocab_size, (1, 32), device=ctx.device)
@@ -606,121 +1072,65 @@ def section_decode(ctx, rec: Recorder) -> None:
         return {"ok": True}
 
     rec.part("model_warm_up", warm_up)
+
+    def kernels():  # chosen (on GPU: compiled) here, before any timed chunk
+        ops = kernel_ops()
+        return {"backend": str(getattr(ops, "backend", None)), "fallback_reason": getattr(ops, "fallback_reason", None),
+                "paged_path": "native/paged_decode.cu" if getattr(ops, "backend", None) == "cuda" else
+                ("torch reference (bank_hot25_hooks_merge_paged_ref)" if not ctx.is_cuda else None)}
+
+    rec.part("kernels_backend", kernels)
+
+    def sdpa_flags():
+        if not ctx.is_cuda:
+            return {"note": "CPU: the profiler's op names say which kernel ran (variants' sdpa_backend)"}
+        b = torch.backends.cuda
+        return {name: bool(getattr(b, f"{name}_sdp_enabled")()) for name in ("flash", "mem_efficient", "math", "cudnn")
+                if hasattr(b, f"{name}_sdp_enabled")}
+
+    rec.part("sdpa_enabled", sdpa_flags)
+    specs = DECODE_VARIANTS + (() if ctx.is_cuda else (PAGED_REF_VARIANT,))
+    rec.data["variants"] = [spec[0] for spec in specs]
     results: dict = {}
     rec.data["contexts"] = results
-    parts_left = len(contexts) * len(VARIANTS)
-    for context in contexts:
-        generator = torch.Generator().manual_seed(context)
-        prompt = torch.randint(3, model.config.vocab_size, (1, context), generator=generator).to(ctx.device)
-        row: dict = {}
-        logits: dict = {}
-        results[str(context)] = row
-        for variant in VARIANTS:
-            name, _, _, hot_share = variant
-            slow = hot_share is not None and context > sizes["slow_context"]
-            n_steps = sizes["slow_decode_steps"] if slow else sizes["decode_steps"]
-            left = rec.left_s()
-            if left < (8 if ctx.mode == "full" else 1):
-                row[name] = {"skipped": f"section time budget ({left:.0f} s left)"}
-                parts_left -= 1
-                rec.save()
-                continue
-            # timed repeats stop at this part's share of the time left (the warm-up always runs)
-            part_deadline = time.monotonic() + min(left, 2.5 * left / max(1, parts_left))
-            parts_left -= 1
-            say(f"[decode] context {context}: {name} ({n_steps} steps)")
-            part_started = time.monotonic()
-            try:
-                value, logits[name] = decode_variant(ctx, model, prompt, variant, n_steps, sizes["repeats"],
-                                                     part_deadline)
-            except BaseException as exc:  # noqa: BLE001 - a failing variant is a figure
-                value = error_record(exc)
-                say(f"[decode] context {context}: {name}: {value['error']}")
-            value["seconds"] = round(time.monotonic() - part_started, 3)
-            row[name] = value
-            if "tokens_per_s" in value:
-                say(f"[decode] context {context}: {name}: {value['tokens_per_s']:.1f} tok/s, "
-                    f"prefill {value['prefill_s']:.3f} s, {value['seconds']:.1f} s in all")
-            compare_to_dynamic(row, logits)
-            rec.save()
+    weights = [math.log2(max(2, c)) for c in contexts]
+    for i, context in enumerate(contexts):
+        share = weights[i] / sum(weights[i:])
+        deadline = time.monotonic() + share * max(0.0, rec.left_s())
+        say(f"[decode] context {context}: {share:.0%} of {rec.left_s():.0f} s left")
+        try:
+            results[str(context)] = run_context(ctx, rec, model, context, specs, deadline)
+        except BaseException as exc:  # noqa: BLE001
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            results[str(context)] = error_record(exc)
+        rec.save()
     rec.data["summary"] = decode_summary(results)
     rec.save()
-
-
-def compare_to_dynamic(row: dict, step_logits: dict) -> None:
-    """Greedy tokens and every decode step's logits of each variant against DynamicCache's
-    (a random model often repeats one token, so the logits are the sharper check)."""
-    import torch
-
-    ref = row.get("dynamic", {})
-    ref_tokens, ref_logits = ref.get("tokens"), step_logits.get("dynamic")
-    for name, value in row.items():
-        logits = step_logits.get(name)
-        if name == "dynamic" or not isinstance(value, dict) or "tokens" not in value or ref_tokens is None:
-            continue
-        n = min(len(ref_tokens), len(value["tokens"]))
-        mismatch = next((i for i in range(n) if ref_tokens[i] != value["tokens"][i]), None)
-        value["tokens_equal_dynamic"] = mismatch is None
-        value["tokens_compared"] = n
-        value["first_mismatch_index"] = mismatch
-        if logits is not None and ref_logits is not None:
-            steps = min(len(logits), len(ref_logits))
-            diff = (logits[:steps] - ref_logits[:steps]).abs()
-            value["logits_steps_compared"] = steps
-            value["logits_max_abs_diff"] = float(diff.max())
-            value["logits_max_abs_diff_first_step"] = float(diff[0].max())
-            value["logits_bitwise_equal"] = bool(torch.equal(logits[:steps], ref_logits[:steps]))
-        if "tokens_per_s" in value and "tokens_per_s" in ref:
-            value["speed_vs_dynamic"] = value["tokens_per_s"] / ref["tokens_per_s"]
-    for name in ("bank_hot25", "bank_hot25_hooks_exact", "bank_hot25_hooks_merge"):
-        all_hot = row.get("bank_hooks_exact" if "hooks" in name else "bank", {})
-        if "tokens_per_s" in row.get(name, {}) and "tokens_per_s" in all_hot:
-            row[name]["speed_vs_all_hot_same_hooks"] = row[name]["tokens_per_s"] / all_hot["tokens_per_s"]
 
 
 def decode_summary(results: dict) -> dict:
     out = {}
     for context, row in results.items():
+        if "variants" not in row:
+            out[context] = {"error": row.get("error", "no result")}
+            continue
         line = {}
-        for name, value in row.items():
-            if "tokens_per_s" in value:
-                line[name] = {"tok_s": round(value["tokens_per_s"], 2),
-                              "vs_dynamic": round(value.get("speed_vs_dynamic", 1.0), 3),
-                              "tokens_equal": value.get("tokens_equal_dynamic", name == "dynamic"),
-                              "logits_bitwise": value.get("logits_bitwise_equal", name == "dynamic"),
-                              "logits_max_abs_diff": value.get("logits_max_abs_diff", 0.0)}
-                if "speed_vs_all_hot_same_hooks" in value:
-                    line[name]["vs_all_hot"] = round(value["speed_vs_all_hot_same_hooks"], 3)
+        for name, v in row["variants"].items():
+            if v.get("status") == "ok":
+                line[name] = {k: v.get(k) for k in (
+                    "step_ms", "gpu_step_ms", "host_step_ms", "speed_vs_dynamic", "paired_speed_vs_dynamic",
+                    "speed_vs_all_hot_same_hooks", "timed_rounds", "tokens_equal_dynamic", "logits_bitwise_equal",
+                    "logits_max_abs_diff", "syncs_per_step", "sdpa_backend")}
+                line[name]["layers_paged_per_step"] = (v.get("hook_paths_per_step") or {}).get("layers_paged")
             else:
-                line[name] = {"error": value.get("error") or value.get("skipped") or "no figure"}
-        out[context] = line
+                line[name] = {"status": v.get("status"), "error": str(v.get("error", "no figure"))[:300]}
+        out[context] = {"variants": line, "control": row.get("control"), "exactness_ok": row.get("exactness_ok"),
+                        "exactness_off": row.get("exactness_off"), "rounds": len(row.get("rounds", []))}
     return out
 
 
 # ---- section: warm -----------------------------------------------------------------------------
-def timed_copy_gbps(ctx, fn, num_bytes: int, repeats: int) -> dict:
-    """GB/s of fn() (median of `repeats` after one warm-up), timed with CUDA events on GPU."""
-    import torch
-
-    fn()
-    ctx.sync()
-    samples = []
-    for _ in range(repeats):
-        if ctx.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            started = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - started)
-    seconds = statistics.median(samples)
-    return {"bytes": num_bytes, "seconds": seconds, "gb_per_s": num_bytes / GB / seconds, "samples_s": samples}
-
-
 def fill_random(tensor) -> None:
     """Random values (never zeros: METHOD.md), in chunks so no big temporary is made."""
     flat = tensor.view(-1)
@@ -733,6 +1143,30 @@ def fill_random(tensor) -> None:
             part.random_(0, 256)
 
 
+def timed_call(ctx, call, finish=None, events: bool = True) -> dict:
+    """host_s: perf_counter around call() alone (no sync); wall_s: until `finish` and the device
+    are synchronized; gpu_s (CUDA, events=True): events on the current stream around call() and
+    finish() (the store copies on its own stream, so its moves are timed by wall_s alone)."""
+    import torch
+
+    ctx.sync()
+    start = end = None
+    if ctx.is_cuda and events:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    started = time.perf_counter()
+    result = call()
+    host_s = time.perf_counter() - started
+    if finish is not None:
+        finish()
+    if end is not None:
+        end.record()
+    ctx.sync()
+    wall_s = time.perf_counter() - started
+    return {"host_s": host_s, "wall_s": wall_s, "gpu_s": start.elapsed_time(end) / 1e3 if start is not None else None,
+            "result": result}
+
+
 def section_warm(ctx, rec: Recorder) -> None:
     import torch
 
@@ -740,13 +1174,19 @@ def section_warm(ctx, rec: Recorder) -> None:
     from tiered_kv.scheduler import HOT, WARM
 
     layout = block_layout(ctx)
-    num_blocks = max(2, ctx.sizes["warm_bytes"] // layout.block_bytes)
+    num_blocks = ctx.sizes["warm_blocks"]
     num_bytes = num_blocks * layout.block_bytes
-    repeats = ctx.sizes["warm_repeats"]
+    rounds = ctx.sizes["warm_rounds"]
     rec.data["layout"] = {"block_bytes": layout.block_bytes, "blocks": num_blocks, "bytes": num_bytes,
                           "shape": list(layout.record_shape()), "dtype": layout.dtype_name}
+    rec.data["method"] = ("round 0 warms up (not counted); each of the next rounds runs every case once, the "
+                          "order rotated by one place per round and reversed every other round: store (demote "
+                          "all blocks hot->warm, then promote them back), plain_one_copy (one pinned copy_ of "
+                          "the same bytes each way), plain_per_block (one copy_ per block each way); GB/s from "
+                          "wall time (call until the copy engine and "
+                          "the device are synchronized), medians over the counted rounds")
 
-    def store_moves():
+    def moves():
         full = {"high_watermark": 1.0, "low_watermark": 1.0}
         store = tiered_kv.TierStore({"block_size": layout.block_size,
                                      "hot": {"device": str(ctx.device), "capacity_blocks": num_blocks, **full},
@@ -760,66 +1200,100 @@ def section_warm(ctx, rec: Recorder) -> None:
             tiers, slots = store.placements(block_ids)
             assert (tiers == HOT).all(), f"allocated blocks not all hot: {tiers.tolist()[:8]}"
             ref = hot._blocks.index_select(3, torch.as_tensor(slots, device=ctx.device))
-            out = {"copy_engine": type(store.copy_engine).__name__, "warm_pinned": bool(store.pinned),
-                   "d2h_s": [], "h2d_s": []}
-            for _ in range(repeats):
-                ctx.sync()
-                started = time.perf_counter()
+            pinned = ctx.is_cuda
+            host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned)
+            device = torch.empty(num_bytes, dtype=torch.uint8, device=ctx.device)
+            fill_random(host)
+            fill_random(device)
+            bb = layout.block_bytes
+            sync_engine = store.copy_engine.synchronize
+
+            def store_d2h():
                 bad = store.demote(block_ids, WARM)
-                store.copy_engine.synchronize()
-                ctx.sync()
-                out["d2h_s"].append(time.perf_counter() - started)
-                tiers, _ = store.placements(block_ids)
-                assert not bad and (tiers == WARM).all(), f"demote left tiers {sorted(set(tiers.tolist()))}, bad {bad}"
-                started = time.perf_counter()
-                bad = store.promote(block_ids)
-                store.copy_engine.synchronize()
-                ctx.sync()
-                out["h2d_s"].append(time.perf_counter() - started)
-                tiers, slots = store.placements(block_ids)
-                assert not bad and (tiers == HOT).all(), f"promote left tiers {sorted(set(tiers.tolist()))}, bad {bad}"
+                return bad
+
+            def store_h2d():
+                return store.promote(block_ids)
+
+            def per_block(dst, src):
+                for i in range(num_blocks):
+                    dst[i * bb:(i + 1) * bb].copy_(src[i * bb:(i + 1) * bb], non_blocking=True)
+
+            cases = {
+                "store": (("d2h", store_d2h, sync_engine), ("h2d", store_h2d, sync_engine)),
+                "plain_one_copy": (("d2h", lambda: host.copy_(device, non_blocking=True), None),
+                                   ("h2d", lambda: device.copy_(host, non_blocking=True), None)),
+                "plain_per_block": (("d2h", lambda: per_block(host, device), None),
+                                    ("h2d", lambda: per_block(device, host), None)),
+            }
+            samples = {case: {d: [] for d in ("d2h", "h2d")} for case in cases}
+            names = list(cases)
+            order_log = []
+            out = {"copy_engine": type(store.copy_engine).__name__, "warm_pinned": bool(store.pinned),
+                   "plain_pinned": pinned, "rounds_counted": 0}
+            for round_index in range(rounds + 1):
+                order = round_order(names, round_index) if round_index else names
+                order_log.append(order)
+                for case in order:
+                    for direction, call, finish in cases[case]:
+                        timing = timed_call(ctx, call, finish, events=case != "store")
+                        if case == "store":
+                            bad = timing["result"]
+                            tiers, _ = store.placements(block_ids)
+                            want = WARM if direction == "d2h" else HOT
+                            assert not bad and (tiers == want).all(), \
+                                f"store {direction} left tiers {sorted(set(tiers.tolist()))}, bad {bad}"
+                        timing.pop("result")
+                        if round_index:  # round 0 warms up
+                            samples[case][direction].append(timing)
+                if round_index:
+                    out["rounds_counted"] = round_index
+                if round_index and rec.left_s() < 3:
+                    out["rounds_cut_by_budget"] = True
+                    break
+            _, slots = store.placements(block_ids)
             now = hot._blocks.index_select(3, torch.as_tensor(slots, device=ctx.device))
             out["data_round_trip_equal"] = bool(torch.equal(now, ref))
-            for direction in ("d2h", "h2d"):
-                seconds = statistics.median(out[f"{direction}_s"])
-                out[f"{direction}_gb_per_s"] = num_bytes / GB / seconds
+            out["order"] = order_log
+            for case, per_direction in samples.items():
+                figures = {}
+                for direction, runs in per_direction.items():
+                    if not runs:
+                        figures[direction] = {"status": "failed", "error": "no counted round"}
+                        continue
+                    wall = statistics.median(r["wall_s"] for r in runs)
+                    host_s = statistics.median(r["host_s"] for r in runs)
+                    gpu = _median([r["gpu_s"] for r in runs])
+                    figures[direction] = {
+                        "rounds": len(runs), "wall_s": wall, "gb_per_s": num_bytes / GB / wall, "host_s": host_s,
+                        "host_us_per_block": 1e6 * host_s / num_blocks,
+                        "gpu_s": gpu, "gpu_gb_per_s": num_bytes / GB / gpu if gpu else None,
+                        "samples_wall_s": [r["wall_s"] for r in runs]}
+                out[case] = figures
             out["bytes_moved"] = store.stats()["bytes_moved"]
             return out
         finally:
             store.close()
 
-    rec.part("store", store_moves)
-
-    def plain():
-        pinned = ctx.is_cuda
-        host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned)
-        device = torch.empty(num_bytes, dtype=torch.uint8, device=ctx.device)
-        fill_random(host)
-        fill_random(device)
-        bb = layout.block_bytes
-        out = {"pinned": pinned,
-               "h2d_one_copy": timed_copy_gbps(ctx, lambda: device.copy_(host, non_blocking=True), num_bytes, repeats),
-               "d2h_one_copy": timed_copy_gbps(ctx, lambda: host.copy_(device, non_blocking=True), num_bytes, repeats)}
-
-        def per_block(dst, src):
-            for i in range(num_blocks):
-                dst[i * bb:(i + 1) * bb].copy_(src[i * bb:(i + 1) * bb], non_blocking=True)
-
-        out["h2d_per_block"] = timed_copy_gbps(ctx, lambda: per_block(device, host), num_bytes, repeats)
-        out["d2h_per_block"] = timed_copy_gbps(ctx, lambda: per_block(host, device), num_bytes, repeats)
-        return out
-
-    rec.part("plain", plain)
-    store, base = rec.data.get("store", {}), rec.data.get("plain", {})
-    if "h2d_gb_per_s" in store and "h2d_one_copy" in base:
+    rec.part("moves", moves)
+    m = rec.data.get("moves", {})
+    if all(isinstance(m.get(c), dict) and "gb_per_s" in m[c].get(d, {}) for c in ("store", "plain_one_copy",
+                                                                                  "plain_per_block")
+           for d in ("d2h", "h2d")):
+        s, one, per = m["store"], m["plain_one_copy"], m["plain_per_block"]
         rec.data["summary"] = {
-            "store_h2d_gb_per_s": store["h2d_gb_per_s"], "store_d2h_gb_per_s": store["d2h_gb_per_s"],
-            "plain_h2d_gb_per_s": base["h2d_one_copy"]["gb_per_s"], "plain_d2h_gb_per_s": base["d2h_one_copy"]["gb_per_s"],
-            "h2d_ratio_store_over_plain": store["h2d_gb_per_s"] / base["h2d_one_copy"]["gb_per_s"],
-            "d2h_ratio_store_over_plain": store["d2h_gb_per_s"] / base["d2h_one_copy"]["gb_per_s"],
-            "h2d_ratio_store_over_plain_per_block": store["h2d_gb_per_s"] / base["h2d_per_block"]["gb_per_s"],
-            "d2h_ratio_store_over_plain_per_block": store["d2h_gb_per_s"] / base["d2h_per_block"]["gb_per_s"],
-            "data_round_trip_equal": store["data_round_trip_equal"]}
+            "blocks": num_blocks, "rounds": m["rounds_counted"],
+            "store_h2d_gb_per_s": s["h2d"]["gb_per_s"], "store_d2h_gb_per_s": s["d2h"]["gb_per_s"],
+            "plain_h2d_gb_per_s": one["h2d"]["gb_per_s"], "plain_d2h_gb_per_s": one["d2h"]["gb_per_s"],
+            "h2d_ratio_store_over_plain": s["h2d"]["gb_per_s"] / one["h2d"]["gb_per_s"],
+            "d2h_ratio_store_over_plain": s["d2h"]["gb_per_s"] / one["d2h"]["gb_per_s"],
+            "h2d_ratio_store_over_plain_per_block": s["h2d"]["gb_per_s"] / per["h2d"]["gb_per_s"],
+            "d2h_ratio_store_over_plain_per_block": s["d2h"]["gb_per_s"] / per["d2h"]["gb_per_s"],
+            "store_host_us_per_block_h2d": s["h2d"]["host_us_per_block"],
+            "store_host_us_per_block_d2h": s["d2h"]["host_us_per_block"],
+            "plain_per_block_host_us_per_block_h2d": per["h2d"]["host_us_per_block"],
+            "plain_per_block_host_us_per_block_d2h": per["d2h"]["host_us_per_block"],
+            "data_round_trip_equal": m["data_round_trip_equal"]}
         rec.save()
 
 
@@ -1109,6 +1583,8 @@ def run_section(name: str, args, limit_s: float, scratch: str) -> dict:
            "--limit-s", str(limit_s), "--device", args.device, "--scratch", scratch]
     if args.quick:
         cmd.append("--quick")
+    if args.decode_mover:
+        cmd.append("--decode-mover")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -1117,6 +1593,8 @@ def run_section(name: str, args, limit_s: float, scratch: str) -> dict:
 
     def pump():
         for line in proc.stdout:
+            if "SyncActivityProfilerHandler" in line:  # kineto's profiler_start/stop notes (decode profiles)
+                continue
             tail.append(line.rstrip("\n"))
             del tail[:-60]
             say(f"  {line.rstrip()}" if line.startswith("[") else f"  [{name}] {line.rstrip()}")
@@ -1130,7 +1608,7 @@ def run_section(name: str, args, limit_s: float, scratch: str) -> dict:
         timed_out = True
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=5)
+            proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -1148,6 +1626,10 @@ def run_section(name: str, args, limit_s: float, scratch: str) -> dict:
     if data.get("status") != "ok":
         data["output_tail"] = "\n".join(tail[-40:])
     return data
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
 def print_summary(result: dict) -> None:
@@ -1174,22 +1656,36 @@ def print_summary(result: dict) -> None:
                            f"max abs error over all {kernels.get('max_abs_error_over_all')}, worst "
                            f"{kernels.get('worst', [])[:3]}, {kernels.get('selfcheck_s')} s"
                            if "result" in kernels else kernels.get("error", "")[:200]))
-    for context, line in sections.get("decode", {}).get("summary", {}).items():
-        say(f"decode @ {context}:")
-        for variant, figure in line.items():
-            if "tok_s" in figure:
-                extra = f" vs_all_hot {figure['vs_all_hot']:.2f}x" if "vs_all_hot" in figure else ""
-                say(f"  {variant:24s} {figure['tok_s']:9.1f} tok/s  {figure['vs_dynamic']:5.2f}x DC  "
-                    f"tokens {'same' if figure['tokens_equal'] else 'DIFFER'}  logits "
-                    f"{'bitwise' if figure['logits_bitwise'] else 'max diff %.3g' % figure['logits_max_abs_diff']}"
-                    f"{extra}")
-            else:
-                say(f"  {variant:24s} {figure['error'][:120]}")
+    for context, block in sections.get("decode", {}).get("summary", {}).items():
+        if "variants" not in block:
+            say(f"decode @ {context}: {str(block.get('error'))[:150]}")
+            continue
+        control = block.get("control") or {}
+        say(f"decode @ {context}: {block.get('rounds')} rounds; A/A control "
+            f"{_fmt(control.get('speed_vs_dynamic'), '.3f')}x (paired {_fmt(control.get('paired_speed_vs_dynamic'), '.3f')}, "
+            f"within 3%: {control.get('within_3pct')}); exactness ok: {block.get('exactness_ok')} "
+            f"{block.get('exactness_off') or ''}")
+        for variant, f in block["variants"].items():
+            if "step_ms" not in f:
+                say(f"  {variant:33s} {f.get('status')}: {f.get('error', '')[:110]}")
+                continue
+            bitwise = "reference" if variant == "dynamic" else "bitwise" if f.get("logits_bitwise_equal") else \
+                f"max diff {_fmt(f.get('logits_max_abs_diff'), '.3g')}"
+            say(f"  {variant:33s} {f['step_ms']:8.2f} ms (gpu {_fmt(f.get('gpu_step_ms'), '.2f')}, host "
+                f"{f['host_step_ms']:.2f})  {_fmt(f.get('speed_vs_dynamic') or 1.0, '.2f')}x DC  "
+                f"tokens {'same' if f.get('tokens_equal_dynamic') in (True, None) else 'DIFFER'}  {bitwise}  "
+                f"syncs {_fmt(f.get('syncs_per_step'), 'g')}  sdpa {f.get('sdpa_backend')}"
+                + (f"  paged {f['layers_paged_per_step']:g}/step" if f.get("layers_paged_per_step") else "")
+                + (f"  vs all hot {f['speed_vs_all_hot_same_hooks']:.2f}x" if f.get("speed_vs_all_hot_same_hooks")
+                   else ""))
     warm = sections.get("warm", {}).get("summary")
     if warm:
-        say("warm: store H2D {store_h2d_gb_per_s:.2f} GB/s ({h2d_ratio_store_over_plain:.2f}x plain "
-            "{plain_h2d_gb_per_s:.2f}), D2H {store_d2h_gb_per_s:.2f} GB/s ({d2h_ratio_store_over_plain:.2f}x plain "
-            "{plain_d2h_gb_per_s:.2f}); data equal {data_round_trip_equal}".format(**warm))
+        say("warm ({blocks} blocks, {rounds} rounds): store H2D {store_h2d_gb_per_s:.2f} GB/s "
+            "({h2d_ratio_store_over_plain:.2f}x plain {plain_h2d_gb_per_s:.2f}), D2H {store_d2h_gb_per_s:.2f} GB/s "
+            "({d2h_ratio_store_over_plain:.2f}x plain {plain_d2h_gb_per_s:.2f}); store host "
+            "{store_host_us_per_block_h2d:.1f} / {store_host_us_per_block_d2h:.1f} us per block (plain per-block "
+            "copies {plain_per_block_host_us_per_block_h2d:.1f} / {plain_per_block_host_us_per_block_d2h:.1f}); "
+            "data equal {data_round_trip_equal}".format(**warm))
     cold = sections.get("cold", {}).get("summary")
     if cold:
         say("cold: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in cold.items()))
@@ -1198,27 +1694,38 @@ def print_summary(result: dict) -> None:
         say(f"pytest: {pytest_data['last_line']}")
 
 
+def section_limits(names: list[str], budget_s: float, quick: bool) -> dict:
+    """Each section's hard limit: its LIMITS_S entry, all shrunk in proportion when they and the
+    orchestrator's reserve per section do not fit in the budget (never grown)."""
+    limits = QUICK_LIMITS_S if quick else LIMITS_S
+    room = max(0.0, budget_s - ORCHESTRATOR_RESERVE_S * len(names))
+    scale = min(1.0, room / max(1e-9, sum(limits[n] for n in names)))
+    return {n: limits[n] * scale for n in names}
+
+
 def orchestrate(args) -> int:
     started = time.monotonic()
-    limits = dict(QUICK_LIMITS_S if args.quick else LIMITS_S)
     names = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else list(SECTIONS)
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         raise SystemExit(f"--sections: unknown {unknown}; allowed: {','.join(SECTIONS)}")
+    limits = section_limits(names, args.budget_s, args.quick)
     base = args.scratch or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="gpu_check-", dir=base)
     result = {"command": sys.argv, "mode": "quick" if args.quick else "full", "started_unix": time.time(),
-              "budget_s": args.budget_s, "sections": {}}
+              "budget_s": args.budget_s, "limits_s": {n: round(v, 1) for n, v in limits.items()}, "sections": {}}
     say(f"gpu_check: mode {result['mode']}, sections {names}, budget {args.budget_s} s, scratch {scratch}")
     try:
-        for name in names:
+        for i, name in enumerate(names):
             left = args.budget_s - (time.monotonic() - started)
-            # never starve the sections still to come below half their limit
-            later = sum(limits[n] for n in names[names.index(name) + 1:])
-            limit = min(limits[name], max(limits[name] / 2, left - later / 2))
-            if left < 10:
-                result["sections"][name] = {"status": "skipped", "error": f"total budget spent ({left:.0f} s left)"}
+            later = sum(limits[n] + ORCHESTRATOR_RESERVE_S for n in names[i + 1:])
+            # time a section before left unused goes to this one (up to 1.5x its limit); the
+            # sections still to come keep theirs, so the whole run stays inside the budget
+            limit = min(1.5 * limits[name], left - later - ORCHESTRATOR_RESERVE_S)
+            if limit < min(10.0, 0.5 * limits[name]):
+                result["sections"][name] = {"status": "skipped",
+                                            "error": f"total budget spent ({left:.0f} s left, {limit:.0f} s for it)"}
                 continue
             say(f"== {name} (limit {limit:.0f} s)")
             result["sections"][name] = run_section(name, args, limit, scratch)
@@ -1227,9 +1734,10 @@ def orchestrate(args) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     result["wall_s"] = round(time.monotonic() - started, 2)
+    result["within_budget"] = result["wall_s"] <= args.budget_s
     write_json(args.out, result)
     print_summary(result)
-    say(f"wrote {args.out} ({result['wall_s']:.0f} s)")
+    say(f"wrote {args.out} ({result['wall_s']:.0f} s of a {args.budget_s:.0f} s budget)")
     return 0
 
 
@@ -1241,6 +1749,8 @@ def parse_args(argv=None):
     parser.add_argument("--sections", default="", help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S, help="wall-clock budget of the whole run")
     parser.add_argument("--scratch", default=None, help="directory for cold-tier files (default: the temp dir)")
+    parser.add_argument("--decode-mover", action="store_true",
+                        help="run each decode bank's background mover (off by default: see bank_config)")
     parser.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)
     parser.add_argument("--section-out", help=argparse.SUPPRESS)
     parser.add_argument("--limit-s", type=float, default=60.0, help=argparse.SUPPRESS)

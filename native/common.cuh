@@ -39,6 +39,17 @@ template <> __device__ __forceinline__ tkv_bf16 tkv_from_float<tkv_bf16>(float f
     return h;
 }
 
+// 16 bytes from global memory (device or pinned host through UVA) at a 16-byte aligned generic
+// address: a pointer that went through shared memory has lost its address space, so it is
+// converted back explicitly (a generic load would do, but not as an LDG.128).
+__device__ __forceinline__ uint4 tkv_load_global16(const void* p) {
+    uint4 r;
+    asm("{\n\t.reg .u64 ga;\n\tcvta.to.global.u64 ga, %4;\n\tld.global.v4.u32 {%0, %1, %2, %3}, [ga];\n\t}"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
 __device__ __forceinline__ float tkv_warp_sum(float x) {
     for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
     return x;

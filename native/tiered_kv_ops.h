@@ -24,6 +24,23 @@
 //   out        [B, Hq, D] contiguous, the query's dtype; lse float32 [B, Hq] contiguous,
 //     natural log of the sum of exp(scale * q.k). An empty row gives out 0 and lse -inf.
 //     A row whose table names a tag >= num sources or a slot outside its source gives NaN.
+//
+//   Split decode (flash-decoding): the positions [0, num_partitions * partition_size) are cut
+//     into num_partitions partitions of partition_size positions (absolute, not row-relative).
+//     paged_decode_<variant>_<dtype> runs one CTA per (partition, kv head x group tile, row): it
+//     handles up to G query heads of one KV head's GQA group over one partition of the row,
+//     loading each K/V element once for all of them. With num_partitions == 1 it writes out
+//     and lse itself (part_out / part_lse unused, may be null). Otherwise it writes a
+//     normalised partial out and its lse (natural log) per (row, q head, partition) to
+//       part_out float32 [B, Hq, num_partitions, D] contiguous,
+//       part_lse float32 [B, Hq, num_partitions] contiguous,
+//     only for the partitions that overlap the row's [start, end) (others are never written;
+//     a partition whose table names a bad entry gets lse NaN), and merge_partitions_<dtype>
+//     merges exactly those partitions of each (row, q head) by their lse into out and lse.
+//     paged_decode_g<G>_<dtype> read K/V in 16-byte units and need 16-byte aligned rows: every
+//     source's K/V base address a multiple of 16 bytes, D and the strides of the dims longer
+//     than 1 multiples of 16 / sizeof(element). paged_decode_scalar_<dtype> (G = 8) read element
+//     by element and take any layout of the contract.
 //   Element types: float32, float16, bfloat16; accumulation in float32. D <= 256.
 //   Scalars: strides are long long (elements; bytes for the block copies), sizes int.
 //
@@ -46,7 +63,11 @@
 #define TKV_MERGE_THREADS 128
 #define TKV_COPY_THREADS 128
 
-// paged_decode.cu: one thread block per (q head, row): grid (Hq, B), TKV_DECODE_THREADS threads.
+// paged_decode.cu: one thread block per (partition, kv head x group tile, row):
+// grid (num_partitions, num_kv_heads * ceil(groups / G), B), TKV_DECODE_THREADS threads; G (the
+// group tile, query heads per CTA) is 1, 2, 4 or 8 (the entry point's g<G>), 8 for scalar entries.
+#define TKV_DECODE_MAX_GROUP 8
+#define TKV_DECODE_TABLE_WINDOW 64
 #define TKV_DECODE_PARAMS(T)                                                                   \
     T* out, float* lse, const T* query, long long q_stride_b, long long q_stride_h,           \
     const T* k0, const T* v0, long long k0_slot, long long k0_head, long long k0_tok,          \
@@ -57,14 +78,40 @@
     long long v2_slot, long long v2_head, long long v2_tok, int num_slots2,                    \
     int num_sources, const int* block_table, long long table_stride_b,                         \
     const void* tier_tags, int tag_bytes, const int* start_offsets, const int* seq_lens,      \
-    int num_kv_heads, int groups, int head_dim, int block_size, int max_blocks, float scale
+    int num_kv_heads, int groups, int head_dim, int block_size, int max_blocks, float scale,   \
+    float* part_out, float* part_lse, int num_partitions, int partition_size
 
 struct tkv_half { unsigned short bits; };
 struct tkv_bf16 { unsigned short bits; };
 
-extern "C" __global__ void paged_decode_f32(TKV_DECODE_PARAMS(float));
-extern "C" __global__ void paged_decode_f16(TKV_DECODE_PARAMS(tkv_half));
-extern "C" __global__ void paged_decode_bf16(TKV_DECODE_PARAMS(tkv_bf16));
+extern "C" __global__ void paged_decode_g1_f32(TKV_DECODE_PARAMS(float));
+extern "C" __global__ void paged_decode_g2_f32(TKV_DECODE_PARAMS(float));
+extern "C" __global__ void paged_decode_g4_f32(TKV_DECODE_PARAMS(float));
+extern "C" __global__ void paged_decode_g8_f32(TKV_DECODE_PARAMS(float));
+extern "C" __global__ void paged_decode_scalar_f32(TKV_DECODE_PARAMS(float));
+extern "C" __global__ void paged_decode_g1_f16(TKV_DECODE_PARAMS(tkv_half));
+extern "C" __global__ void paged_decode_g2_f16(TKV_DECODE_PARAMS(tkv_half));
+extern "C" __global__ void paged_decode_g4_f16(TKV_DECODE_PARAMS(tkv_half));
+extern "C" __global__ void paged_decode_g8_f16(TKV_DECODE_PARAMS(tkv_half));
+extern "C" __global__ void paged_decode_scalar_f16(TKV_DECODE_PARAMS(tkv_half));
+extern "C" __global__ void paged_decode_g1_bf16(TKV_DECODE_PARAMS(tkv_bf16));
+extern "C" __global__ void paged_decode_g2_bf16(TKV_DECODE_PARAMS(tkv_bf16));
+extern "C" __global__ void paged_decode_g4_bf16(TKV_DECODE_PARAMS(tkv_bf16));
+extern "C" __global__ void paged_decode_g8_bf16(TKV_DECODE_PARAMS(tkv_bf16));
+extern "C" __global__ void paged_decode_scalar_bf16(TKV_DECODE_PARAMS(tkv_bf16));
+
+// merge_partitions.cu: one thread block per (q head, row): grid (Hq, B), TKV_MERGE_THREADS
+// threads. Row b merges the partitions [start / partition_size, (end - 1) / partition_size]
+// of part_out/part_lse (layout above), start/end clamped as in paged_decode (end to max_tokens =
+// max_blocks * block_size). Empty row: out 0, lse -inf; any merged lse NaN: out and lse NaN.
+#define TKV_PARTITION_MERGE_PARAMS(T)                                                          \
+    T* out, float* lse, const float* part_out, const float* part_lse, const int* start_offsets, \
+    const int* seq_lens, int num_heads, int head_dim, int num_partitions, int partition_size,  \
+    int max_tokens
+
+extern "C" __global__ void merge_partitions_f32(TKV_PARTITION_MERGE_PARAMS(float));
+extern "C" __global__ void merge_partitions_f16(TKV_PARTITION_MERGE_PARAMS(tkv_half));
+extern "C" __global__ void merge_partitions_bf16(TKV_PARTITION_MERGE_PARAMS(tkv_bf16));
 
 // merge_states.cu: one thread block per (head, row): grid (H, B), TKV_MERGE_THREADS threads.
 #define TKV_MERGE_PARAMS(T)                                                                    \

@@ -34,16 +34,17 @@ def test_overhead_bench_smallest_size(tmp_path):
         where = f"context {row['context_tokens']}"
         assert _positive(row["dynamic_step_s"]), where
         assert row["logits_match"] is True, f"{where}: max logit diff {row['max_logit_diff']}"
-        assert set(row["stores"]) == {"alone", "idle"}, where
+        assert set(row["stores"]) == {"alone", "idle2"}, where
         for name, store in row["stores"].items():
             assert _positive(store["bank_step_s"]), f"{where} {name}"
             assert _positive(store["speed_ratio"]), f"{where} {name}"
             assert math.isclose(store["speed_ratio"], row["dynamic_step_s"] / store["bank_step_s"]), f"{where} {name}"
-        assert math.isfinite(row["idle_slowdown"]) and row["idle_slowdown"] > -1, where
+        assert set(row["idle_slowdown"]) == {"idle2"}, where
+        assert math.isfinite(row["idle_slowdown"]["idle2"]) and row["idle_slowdown"]["idle2"] > -1, where
         # every block hot; the idle store holds the other chats' blocks too
         blocks_per_context = -(-row["context_tokens"] // 16)
         assert row["bank_blocks"]["alone"] == {"hot": blocks_per_context, "warm": 0, "cold": 0}, where
-        assert row["store_used_blocks"] == {"alone": blocks_per_context, "idle": blocks_per_context + 2 * 2}, where
+        assert row["store_used_blocks"] == {"alone": blocks_per_context, "idle2": blocks_per_context + 2 * 2}, where
     assert result["cpu_count"] >= 1 and result["threads"] >= 1
     assert len(result["load_average_before"]) == 3 and len(result["load_average_after"]) == 3
     assert set(result["summary"]) == {"speed_target", "idle_target", "logits_match_everywhere"}

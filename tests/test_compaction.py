@@ -291,7 +291,9 @@ def test_interleaved_chats_fragment_without_the_mover():
     assert stats["contiguity_min"] < 1.0  # what the mover has to repair in the next test
     assert 0.0 <= stats["fragmentation"] <= 1.0
     assert min(bank.stats()["contiguity"] for bank in banks) == stats["contiguity_min"]
-    repair = store_compaction_plan(store, 64)  # no mover carries it out, but it can be planned
+    deadline = time.monotonic() + 10  # no mover carries it out, but it can be planned once the chats are quiet
+    while (repair := store_compaction_plan(store, 64)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert repair is not None and repair.moves
     assert all(m.src_tier == m.dst_tier == HOT and not store.pools[HOT].is_used(m.dst_slot) for m in repair.moves)
     store.close()

@@ -2,8 +2,10 @@
 
 CPU: every .cu compiles with nvcc (when on PATH); the torch reference matches sdpa over the
 dense K/V; merge/gather/scatter semantics; the layout contracts; the CUDA wrappers' launch
-arguments against the header (with a recording launcher, so nothing launches). GPU (CUDA +
-cupy): each kernel against the torch reference over dtypes x block sizes x tiers.
+arguments against the header (with a recording launcher, so nothing launches); the kernels
+themselves, built for the host with g++ (tests/kernel_emulation.py), against the reference. GPU (CUDA +
+cupy): each kernel against the torch reference over dtypes x block sizes x tiers, and the split
+decode over long rows.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tiered_kv.errors import LayoutError
+import kernel_emulation as emulation
 from tiered_kv.kernels import backend, contracts, cuda, reference
 from tiered_kv.kernels.cases import TIERS, build_decode_case, make_sources
 from tiered_kv.kernels.selfcheck import max_abs_error, selfcheck
@@ -37,6 +40,8 @@ def _has_cupy() -> bool:
 
 GPU = torch.cuda.is_available() and _has_cupy()
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs torch CUDA and cupy")
+needs_host_build = pytest.mark.skipif(emulation.unavailable_reason() is not None,
+                                      reason=f"kernel emulation: {emulation.unavailable_reason()}")
 
 
 # ---------------------------------------------------------------- native sources
@@ -403,13 +408,92 @@ def test_cuda_paged_decode_launch_matches_the_header(recorded_launches, num_sour
     tiers = ("hot", "warm", "staging")[:num_sources]
     case = build_decode_case(tiers=tiers, block_size=8, batch=2, groups=3, head_dim=16, dtype=torch.bfloat16)
     out, lse = cuda.paged_decode(*case.args())
+    # a table of 64 positions: one partition, no workspace, no merge; group 3 -> tile 4, 16-byte loads
     (file_name, kernel, grid, block, args, _), = recorded_launches
-    assert (file_name, kernel, grid, block) == ("paged_decode.cu", "paged_decode_bf16", (6, 2, 1), (128, 1, 1))
+    assert (file_name, kernel, grid, block) == ("paged_decode.cu", "paged_decode_g4_bf16", (1, 2, 2), (128, 1, 1))
     _assert_args_match(args, "TKV_DECODE_PARAMS")
     assert int(args[0]) == out.data_ptr() and int(args[1]) == lse.data_ptr()
     k0 = case.sources[0][0]
     assert [int(a) for a in args[7:10]] == list(k0.stride()[:3])  # hot view strides (bs*D, S*bs*D, D)
-    assert [int(a) for a in args[-6:-1]] == [2, 3, 16, 8, case.block_table.shape[1]]
+    assert [int(a) for a in args[-10:-5]] == [2, 3, 16, 8, case.block_table.shape[1]]
+    assert [int(a) for a in args[-4:]] == [0, 0, 1, 64]  # no workspace, 1 partition of the table's 64 positions
+
+
+def test_cuda_paged_decode_split_launches_match_the_header(recorded_launches, monkeypatch):
+    monkeypatch.setattr(cuda, "DECODE_PARTITION_TOKENS", 20)  # rounded up to 24 (block_size 8)
+    case = build_decode_case(tiers=("hot", "warm"), block_size=8, batch=2, groups=3, head_dim=16,
+                             dtype=torch.float16, max_tokens=50)
+    max_tokens = case.block_table.shape[1] * 8  # 64
+    out, lse = cuda.paged_decode(*case.args())
+    (decode, merge) = recorded_launches
+    assert decode[:4] == ("paged_decode.cu", "paged_decode_g4_f16", (3, 2, 2), (128, 1, 1))
+    assert merge[:4] == ("merge_partitions.cu", "merge_partitions_f16", (6, 2, 1), (128, 1, 1))
+    _assert_args_match(decode[4], "TKV_DECODE_PARAMS")
+    _assert_args_match(merge[4], "TKV_PARTITION_MERGE_PARAMS")
+    part_out, part_lse, num_partitions, partition_size = (int(a) for a in decode[4][-4:])
+    assert part_out and part_lse and (num_partitions, partition_size) == (3, 24)
+    merge_args = [int(a) for a in merge[4]]
+    assert merge_args[:4] == [out.data_ptr(), lse.data_ptr(), part_out, part_lse]
+    assert merge_args[4:6] == [case.start_offsets.data_ptr(), case.seq_lens.data_ptr()]
+    assert merge_args[6:] == [6, 16, 3, 24, max_tokens]
+
+
+def test_cuda_paged_decode_picks_scalar_loads_and_group_tiles(recorded_launches):
+    case = build_decode_case(tiers=("hot",), block_size=8, batch=2, groups=12, num_kv_heads=1, head_dim=16)
+    cuda.paged_decode(*case.args())
+    (k, v) = case.sources[0]
+    shifted = torch.zeros(k.numel() + 1)[1:].view(k.shape)  # 4 bytes off 16-byte alignment
+    cuda.paged_decode(case.query, [(shifted, v)], *case.args()[2:])
+    odd = build_decode_case(tiers=("hot",), block_size=8, batch=2, groups=1, head_dim=6, dtype=torch.float16)
+    cuda.paged_decode(*odd.args())  # 6 halves: 12-byte rows
+    (tiled, misaligned, narrow) = recorded_launches
+    assert tiled[1:3] == ("paged_decode_g8_f32", (1, 2, 2))  # 12 q heads per kv head: 2 tiles of 8
+    assert misaligned[1:3] == ("paged_decode_scalar_f32", (1, 2, 2))
+    assert narrow[1:3] == ("paged_decode_scalar_f16", (1, 2, 2))
+    for call in recorded_launches:
+        _assert_args_match(call[4], "TKV_DECODE_PARAMS")
+
+
+def test_decode_group_tile():
+    assert [cuda.decode_group_tile(g) for g in (1, 2, 3, 4, 5, 8, 9, 16, 32)] == [1, 2, 4, 4, 8, 8, 8, 8, 8]
+
+
+def test_decode_partitions():
+    sms = 132
+    # a table of at most 256 positions (or one block): one partition covering it, no merge
+    assert cuda.decode_partitions(160, 8, 4, sms) == (160, 1)
+    assert cuda.decode_partitions(256, 16, 4, sms) == (256, 1)
+    assert cuda.decode_partitions(1024, 1024, 4, sms) == (1024, 1)
+    # long rows, few CTAs per partition: 256-position partitions
+    assert cuda.decode_partitions(3008, 16, 2, sms) == (256, 12)
+    # many rows: partitions grow until the grid fits 32 CTAs per SM; a big batch needs no split
+    size, count = cuda.decode_partitions(131072, 16, 64 * 8, sms)
+    assert count * 64 * 8 <= cuda.PARTITION_CTAS_PER_SM * sms < 2 * count * 64 * 8 and size * count >= 131072
+    assert cuda.decode_partitions(4096, 16, 8192, sms) == (4096, 1)
+    for max_tokens, block_size, row_ctas in ((3000 // 32 * 32, 32, 3), (70000, 512, 16), (9000, 8, 1000)):
+        size, count = cuda.decode_partitions(max_tokens, block_size, row_ctas, sms)
+        assert size % block_size == 0 and size >= cuda.PARTITION_MIN_TOKENS and (count - 1) * size < max_tokens
+        assert count * size >= max_tokens
+    # forced (tests): rounded up to whole blocks
+    assert cuda.decode_partitions(64, 8, 4, sms, forced=20) == (24, 3)
+    assert cuda.decode_partitions(64, 8, 4, sms, forced=64) == (64, 1)
+
+
+def test_decode_vector_loads():
+    k = torch.zeros(4, 2, 8, 16, dtype=torch.float16)
+    pair = [(k, k)]
+    aligned = [(0x1000, 0x2000)]
+    assert cuda.decode_vector_loads(pair, aligned, 16, 2)
+    assert not cuda.decode_vector_loads(pair, [(0x1008, 0x2000)], 16, 2)  # base not 16-byte aligned
+    assert not cuda.decode_vector_loads([(k[..., :12], k[..., :12])], aligned, 12, 2)  # D not a multiple of 8
+    strided = torch.zeros(4, 2, 9, 16, dtype=torch.float16)[:, :, :8]  # token stride 16, head stride 144
+    assert cuda.decode_vector_loads([(strided, strided)], aligned, 16, 2)
+    odd_head = torch.zeros(4, 1, 8, 18, dtype=torch.float32)[..., :16]  # token stride 18: 72 bytes
+    assert not cuda.decode_vector_loads([(odd_head, odd_head)], aligned, 16, 4)
+    one_head = torch.zeros(4, 3, 8, 16)[:, 1:2]  # H_kv = 1: its stride never moves a pointer
+    assert one_head.stride(1) % 4 == 0 and cuda.decode_vector_loads([(one_head, one_head)], aligned, 16, 4)
+    weird = one_head.as_strided(one_head.shape, (one_head.stride(0), 3, 16, 1))
+    assert cuda.decode_vector_loads([(weird, weird)], aligned, 16, 4)
 
 
 def test_cuda_merge_and_copy_launches_match_the_header(recorded_launches):
@@ -451,6 +535,104 @@ def test_cuda_wrapper_refuses_cpu_tensors_when_a_launch_would_follow(monkeypatch
     assert calls == []
 
 
+# ---------------------------------------------------------------- kernels emulated on the CPU (g++ host build)
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """cuda's wrappers launch the host build of native/*.cu (emulation.py) on CPU tensors."""
+    emulation.route(monkeypatch.setattr)
+    calls = []
+    monkeypatch.setattr(cuda, "_launch", lambda *args: (calls.append(args[1:3]), emulation.launch(*args))[1])
+    return calls
+
+
+def _poison_rows(case, block_size):
+    """Row 1 empty, row 2 a slot past its source in its last block, row 3 an unknown tag in its last block."""
+    starts = case.start_offsets.clone()
+    starts[1] = case.seq_lens[1]
+    table, tags = case.block_table.clone(), case.tier_tags.clone()
+    table[2, (int(case.seq_lens[2]) - 1) // block_size] = case.sources[0][0].shape[0] + 5
+    tags[3, (int(case.seq_lens[3]) - 1) // block_size] = len(case.sources)
+    return case.query, case.sources, table, tags, starts, case.seq_lens, case.scale
+
+
+def _assert_poisoned_rows(out, lse):
+    assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all())
+    for row in (2, 3):
+        assert bool(out[row].isnan().all()) and bool(lse[row].isnan().all())
+    assert not out[0].isnan().any() and not lse[0].isnan().any()
+
+
+@needs_host_build
+@pytest.mark.parametrize("partition", [None, 32], ids=["one_partition", "split"])
+def test_emulated_paged_decode_matches_reference(emulated, monkeypatch, partition):
+    # fp16, GQA 3 (tile 4), D 80: 16-byte loads, 10 units per row (16-lane slices with 6 idle lanes)
+    monkeypatch.setattr(cuda, "DECODE_PARTITION_TOKENS", partition)
+    case = build_decode_case(dtype=torch.float16, block_size=16, tiers=("hot", "warm", "staging"), groups=3,
+                             head_dim=80, batch=5, max_tokens=90, seed=11)
+    out, lse = cuda.paged_decode(*case.args())
+    want_out, want_lse = reference.paged_decode(*case.args())
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    args = _poison_rows(case, 16)
+    out, lse = cuda.paged_decode(*args)
+    _assert_poisoned_rows(out, lse)
+    want_out, want_lse = reference.paged_decode(*args)
+    torch.testing.assert_close(out[[0, 4]].float(), want_out[[0, 4]].float(), atol=2e-3, rtol=2e-3)
+    kernels = [name for name, _ in emulated]
+    assert set(kernels) == ({"paged_decode_g4_f16"} if partition is None
+                            else {"paged_decode_g4_f16", "merge_partitions_f16"})
+
+
+@needs_host_build
+def test_emulated_paged_decode_scalar_loads_and_group_tiles(emulated, monkeypatch):
+    # bf16 D 36 (not whole 16-byte units): element loads; 12 q heads per kv head: two tiles of 8
+    monkeypatch.setattr(cuda, "DECODE_PARTITION_TOKENS", 16)
+    case = build_decode_case(dtype=torch.bfloat16, block_size=8, tiers=("hot", "warm"), groups=12, num_kv_heads=1,
+                             head_dim=36, batch=2, max_tokens=40, seed=12)
+    out, lse = cuda.paged_decode(*case.args())
+    want_out, want_lse = reference.paged_decode(*case.args())
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    assert emulated[0] == ("paged_decode_scalar_bf16", (3, 2, 2))
+
+
+@needs_host_build
+def test_emulated_paged_decode_wide_rows_no_tags(emulated, monkeypatch):
+    # fp32 D 256 (two 16-byte units per lane), MHA, tags None (all hot), partitions of one block
+    monkeypatch.setattr(cuda, "DECODE_PARTITION_TOKENS", 8)
+    case = build_decode_case(dtype=torch.float32, block_size=8, tiers=("hot",), groups=1, head_dim=256, batch=2,
+                             max_tokens=30, seed=13)
+    args = (case.query, case.sources, case.block_table, None, case.start_offsets, case.seq_lens, case.scale)
+    out, lse = cuda.paged_decode(*args)
+    want_out, want_lse = _expected(case)
+    torch.testing.assert_close(out, want_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    assert emulated[0][0] == "paged_decode_g1_f32" and emulated[1][0] == "merge_partitions_f32"
+
+
+@needs_host_build
+def test_emulated_merge_and_copies_match_reference(emulated):
+    gen = torch.Generator().manual_seed(14)
+    out_a, out_b = (torch.randn(2, 3, 40, generator=gen).half() for _ in (0, 1))
+    lse_a, lse_b = (torch.randn(2, 3, generator=gen) for _ in (0, 1))
+    lse_a[0, 0] = float("-inf")
+    lse_a[1, 1] = lse_b[1, 1] = float("-inf")
+    got, want = cuda.merge_states(out_a, lse_a, out_b, lse_b), reference.merge_states(out_a, lse_a, out_b, lse_b)
+    torch.testing.assert_close(got[0], want[0], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-6)
+    slab = torch.randn(6, 2, 8, 12, generator=gen)
+    slots = torch.tensor([4, 0, 5], dtype=torch.int32)
+    got, want = torch.zeros(3, 2, 8, 12), torch.zeros(3, 2, 8, 12)
+    cuda.gather_blocks(got, slab, slots)
+    reference.gather_blocks(want, slab, slots)
+    assert torch.equal(got, want)
+    target, expected = torch.zeros_like(slab), torch.zeros_like(slab)
+    cuda.scatter_blocks(target, got, slots)
+    reference.scatter_blocks(expected, got, slots)
+    assert torch.equal(target, expected)
+
+
 # ---------------------------------------------------------------- backend choice and self-check
 
 def test_backend_choice_without_cuda_is_the_reference(monkeypatch, caplog):
@@ -475,7 +657,7 @@ def test_ops_is_chosen_once():
 def test_selfcheck_on_cpu_reports_every_op():
     report = selfcheck("cpu", dtypes=(torch.float32,), block_sizes=(8,), tier_mixes=(("hot", "warm"),),
                        head_dim=16)
-    assert set(report["paged_decode"]) == {"float32/bs8/hot+warm"}
+    assert set(report["paged_decode"]) == {"float32/bs8/hot+warm", "float32/bs8/hot+warm/split1200"}
     assert set(report["gather_blocks"]) == {f"float32/bs8/{t}" for t in TIERS}
     assert set(report["merge_states"]) == {"float32"}
     if report["backend"] == "torch":
@@ -621,3 +803,135 @@ def test_gpu_ops_backend_and_selfcheck():
         assert all(error == 0.0 for error in report[op].values()), report[op]
     for name, errors in report["merge_states"].items():
         assert errors["out"] <= OUT_TOL[getattr(torch, name)] and errors["lse"] <= 1e-5, (name, errors)
+
+
+# ---------------------------------------------------------------- GPU: the split decode (partitions + merge)
+
+def _launch_names(monkeypatch):
+    """(kernel, grid) of every launch from cuda's wrappers; each still launches."""
+    calls = []
+    real = cuda._launch
+
+    def launch(file_name, kernel, grid, block, args, device):
+        calls.append((kernel, grid))
+        real(file_name, kernel, grid, block, args, device)
+
+    monkeypatch.setattr(cuda, "_launch", launch)
+    return calls
+
+
+@needs_gpu
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("groups", [1, 3, 8], ids=["mha", "gqa3", "gqa8"])
+def test_gpu_paged_decode_long_rows_split_into_partitions(monkeypatch, head_dim, groups):
+    calls = _launch_names(monkeypatch)
+    case = build_decode_case(dtype=torch.float32, block_size=16, tiers=("hot", "warm", "staging"), groups=groups,
+                             num_kv_heads=2, head_dim=head_dim, batch=3, max_tokens=3000, device="cuda",
+                             seed=head_dim + groups)
+    out, lse = cuda.paged_decode(*case.args())
+    want_out, want_lse = _expected(case)
+    torch.testing.assert_close(out.cpu(), want_out, atol=5e-5, rtol=5e-5)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, atol=1e-4, rtol=1e-5)
+    (decode, grid), (merge, _) = calls
+    assert decode == f"paged_decode_g{cuda.decode_group_tile(groups)}_f32" and merge == "merge_partitions_f32"
+    assert grid[0] > 1  # several partitions
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("groups", [1, 3, 8], ids=["mha", "gqa3", "gqa8"])
+def test_gpu_paged_decode_long_rows_dtypes(dtype, groups):
+    case = build_decode_case(dtype=dtype, block_size=32, tiers=("hot", "warm", "staging"), groups=groups,
+                             num_kv_heads=2, head_dim=128, batch=3, max_tokens=3000, device="cuda", seed=groups)
+    out, lse = cuda.paged_decode(*case.args())
+    want_out, want_lse = reference.paged_decode(*case.args())
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), want_out.float(), atol=OUT_TOL[dtype], rtol=OUT_TOL[dtype])
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+
+
+@needs_gpu
+def test_gpu_paged_decode_padding_and_ends_across_partition_boundaries():
+    case = build_decode_case(dtype=torch.float16, block_size=16, tiers=("hot", "warm", "staging"), groups=3,
+                             num_kv_heads=2, head_dim=128, batch=1, max_tokens=3000, left_pad=False, device="cuda",
+                             seed=22)
+    # row 0 of the case has all 3000 positions: every row below reads a window of it
+    windows = [(700, 3000), (2999, 3000), (0, 257), (256, 512), (1000, 1000), (255, 769), (0, 3000)]
+    pick = [0] * len(windows)
+    starts = torch.tensor([w[0] for w in windows], dtype=torch.int32, device="cuda")
+    ends = torch.tensor([w[1] for w in windows], dtype=torch.int32, device="cuda")
+    args = (case.query[pick].contiguous(), case.sources, case.block_table[pick].contiguous(),
+            case.tier_tags[pick].contiguous(), starts, ends, case.scale)
+    out, lse = cuda.paged_decode(*args)
+    want_out, want_lse = reference.paged_decode(*args)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    assert bool((out[4] == 0).all()) and bool((lse[4] == float("-inf")).all())  # the empty window
+
+
+@needs_gpu
+@pytest.mark.parametrize("partition", [8, 24, None], ids=["per_block", "3_blocks", "auto"])
+def test_gpu_paged_decode_split_empty_poisoned_and_untagged_rows(monkeypatch, partition):
+    monkeypatch.setattr(cuda, "DECODE_PARTITION_TOKENS", partition)
+    case = build_decode_case(tiers=("hot", "warm"), block_size=8, batch=5, max_tokens=60, groups=2, device="cuda",
+                             seed=23)
+    want_out, want_lse = reference.paged_decode(*case.args())
+    out, lse = cuda.paged_decode(*case.args())
+    torch.testing.assert_close(out, want_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    out, lse = cuda.paged_decode(*_poison_rows(case, 8))
+    _assert_poisoned_rows(out, lse)
+    torch.testing.assert_close(out[[0, 4]], want_out[[0, 4]], atol=2e-5, rtol=2e-5)
+    hot = build_decode_case(tiers=("hot",), block_size=8, batch=3, max_tokens=60, device="cuda", seed=24)
+    args = (hot.query, hot.sources, hot.block_table, None, hot.start_offsets, hot.seq_lens, hot.scale)
+    torch.testing.assert_close(cuda.paged_decode(*args)[0], reference.paged_decode(*args)[0], atol=2e-5, rtol=2e-5)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [64, 34, 3])  # 34, 3: rows never whole 16-byte units
+def test_gpu_paged_decode_scalar_loads(monkeypatch, dtype, head_dim):
+    calls = _launch_names(monkeypatch)
+    case = build_decode_case(dtype=dtype, block_size=16, tiers=("hot", "warm"), groups=3, head_dim=head_dim,
+                             batch=3, max_tokens=700, device="cuda", seed=head_dim)
+    sources = list(case.sources)
+    if head_dim == 64:  # whole 16-byte units, but source 0 one element off 16-byte alignment
+        def shifted(t):
+            base = torch.full((t.numel() + 1,), float("nan"), dtype=t.dtype, device=t.device)
+            view = base[1:].view(t.shape)
+            view.copy_(t)
+            return view
+        sources[0] = tuple(shifted(t) for t in sources[0])
+    args = (case.query, sources, case.block_table, case.tier_tags, case.start_offsets, case.seq_lens, case.scale)
+    out, lse = cuda.paged_decode(*args)
+    want_out, want_lse = reference.paged_decode(*args)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=OUT_TOL[dtype], rtol=OUT_TOL[dtype])
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    assert calls[0][0] == f"paged_decode_scalar_{cuda._DTYPE_SUFFIX[dtype]}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("groups", [12, 16])
+def test_gpu_paged_decode_groups_larger_than_a_tile(monkeypatch, groups):
+    calls = _launch_names(monkeypatch)
+    case = build_decode_case(dtype=torch.float16, block_size=16, tiers=("hot", "warm", "staging"), groups=groups,
+                             num_kv_heads=2, head_dim=128, batch=2, max_tokens=1500, device="cuda", seed=groups)
+    out, lse = cuda.paged_decode(*case.args())
+    want_out, want_lse = reference.paged_decode(*case.args())
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    assert calls[0][0] == "paged_decode_g8_f16" and calls[0][1][1] == 2 * -(-groups // 8)
+
+
+@needs_gpu
+def test_gpu_split_paged_decode_runs_on_the_current_stream():
+    case = build_decode_case(tiers=("hot", "warm"), block_size=16, max_tokens=1000, device="cuda", seed=25)
+    want_out, _ = reference.paged_decode(*case.args())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out, _ = cuda.paged_decode(*case.args())  # workspace and both kernels on `side`
+        out = out.clone()
+    side.synchronize()
+    torch.testing.assert_close(out, want_out, atol=2e-5, rtol=2e-5)

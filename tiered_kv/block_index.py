@@ -18,7 +18,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .blocks import DROPPED, NUM_TIERS
+from .blocks import DROPPED, HOT, NUM_TIERS
+
+MAX_HOT_CHANGES_KEPT = 4096  # hot placement changes kept for the compactor between two looks
 
 
 @dataclass
@@ -44,6 +46,7 @@ class BlockIndex:
         self._next_id = 0
         self.order_version = 0
         self.placement_version = 0
+        self._hot_changes: list[int] | None = []  # see take_hot_changes (None: too many to keep)
         self.clock = 0  # store steps so far (the store advances it); stamps `arrived_at`
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -61,6 +64,8 @@ class BlockIndex:
         self._leave_tier(block_id, entry)
         del self._entries[block_id]
         self.placement_version += 1
+        if entry.tier == HOT:
+            self._note_hot_change(block_id)
         return entry
 
     def incref(self, block_id: int) -> None:
@@ -90,6 +95,8 @@ class BlockIndex:
 
     def move(self, block_id: int, tier: int, slot: int) -> None:
         entry = self._entry(block_id)
+        if HOT in (entry.tier, tier):
+            self._note_hot_change(block_id)
         self._leave_tier(block_id, entry)
         entry.tier, entry.slot, entry.arrived_at = tier, slot, self.clock
         if tier != DROPPED:
@@ -102,8 +109,23 @@ class BlockIndex:
     def relocate(self, block_id: int, slot: int) -> None:
         """The block's data moved to another slot of the same tier (compaction): its place in
         every order stays, only placements change."""
-        self._entry(block_id).slot = slot
+        entry = self._entry(block_id)
+        entry.slot = slot
         self.placement_version += 1
+        if entry.tier == HOT:
+            self._note_hot_change(block_id)
+
+    def _note_hot_change(self, block_id: int) -> None:
+        changes = self._hot_changes
+        if changes is not None:
+            changes.append(block_id)
+            self._hot_changes = changes if len(changes) <= MAX_HOT_CHANGES_KEPT else None
+
+    def take_hot_changes(self) -> list[int] | None:
+        """Blocks that left, entered or moved within hot since the last call (removed, moved,
+        relocated), for the compactor; None: more than MAX_HOT_CHANGES_KEPT (any row may have changed)."""
+        changes, self._hot_changes = self._hot_changes, []
+        return changes
 
     def arrival_steps(self, block_ids) -> list[int]:
         entries = self._entries

@@ -33,7 +33,7 @@ from ..store import TierStore
 from . import forward_watch
 from .chat_ops import ChatOps
 from .rows import Row
-from .step import RowInputs, Step
+from .step import DeferredInputs, RowInputs, Step
 from .stepping import Stepping
 
 _STEP_OWNER_IDS = itertools.count(1)
@@ -110,7 +110,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         self._rows: list[Row] = []
         self._seq_len = 0
         self._step: Step | None = None
-        self._pending_inputs: list[RowInputs] | None = None
+        self._pending_inputs: list[RowInputs] | DeferredInputs | None = None
         self._step_owner = next(_STEP_OWNER_IDS)
         self._block_set: set[int] = set()  # every block any row references (pinned during a step)
         self._forward_lease = None  # a committed step's lease, ended when its forward pass ends

@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class RowInputs:
@@ -23,12 +25,46 @@ class RowInputs:
     verified: bool
 
 
+class DeferredInputs:
+    """A forward's token ids and per-row verification on a GPU, copied to pinned host memory
+    after the forward was enqueued, without a host sync; read (`rows[r]`) when the step commits,
+    by which time the copy, queued before any layer, has long landed."""
+
+    def __init__(self, ids_host, ok_host, event):
+        self.shape = tuple(ids_host.shape)
+        self._ids_host, self._ok_host, self._event = ids_host, ok_host, event
+        self._rows: list[RowInputs] | None = None
+
+    @classmethod
+    def copy(cls, input_ids, ok) -> "DeferredInputs":
+        ids_host = torch.empty(input_ids.shape, dtype=input_ids.dtype, pin_memory=True)
+        ids_host.copy_(input_ids, non_blocking=True)
+        ok_host = None
+        if isinstance(ok, torch.Tensor):
+            ok_host = torch.empty(ok.shape, dtype=torch.bool, pin_memory=True)
+            ok_host.copy_(ok, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(ids_host, ok_host if ok_host is not None else bool(ok), event)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, row: int) -> RowInputs:
+        if self._rows is None:
+            if not self._event.query():
+                self._event.synchronize()
+            ok = self._ok_host.tolist() if not isinstance(self._ok_host, bool) else [self._ok_host] * self.shape[0]
+            self._rows = [RowInputs(ids, bool(v)) for ids, v in zip(self._ids_host.tolist(), ok)]
+        return self._rows[row]
+
+
 @dataclass
 class Step:
     num_new_tokens: int
     num_tokens: int  # the bank's length once committed
     created_rows: bool  # the bank had no rows before this step
-    inputs: list[RowInputs]
+    inputs: list[RowInputs] | DeferredInputs
     forward_seen: bool = False  # the bank's forward hooks saw this pass: they will report its end
     thread_id: int = field(default_factory=threading.get_ident)
     lease: object = None  # the store's StepLease (store/leases.py) once opened

@@ -19,7 +19,7 @@ from ..errors import CapacityError, CorruptBlockError, LayoutError
 from ..hooks.attention import clear_expected
 from ..store import PIN_WAIT_S, StepRequest
 from .rows import Row
-from .step import RowInputs, Step
+from .step import DeferredInputs, RowInputs, Step
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 
@@ -36,20 +36,29 @@ class Stepping:
                 or input_ids.dim() != 2:
             return  # another model computes through this bank: its ids prove nothing about our KV
         num_rows, num_new = input_ids.shape
-        verified = [True] * num_rows
+        if input_ids.is_cuda:  # no host sync before the forward: the ids are read at commit
+            self._pending_inputs = DeferredInputs.copy(input_ids, self._rows_ok(input_ids, attention_mask,
+                                                                               position_ids))
+            return
+        ok = self._rows_ok(input_ids, attention_mask, position_ids)
+        verified = ok.tolist() if isinstance(ok, torch.Tensor) else [ok] * num_rows
+        self._pending_inputs = [RowInputs(ids, bool(v)) for ids, v in zip(input_ids.tolist(), verified)]
+
+    def _rows_ok(self, input_ids, attention_mask, position_ids):
+        """Per row, whether the mask and the positions say these ids continue the bank's tokens:
+        a bool tensor on the ids' device (computed without a sync), or one bool for all rows."""
+        num_rows, num_new = input_ids.shape
+        ok = torch.ones(num_rows, dtype=torch.bool, device=input_ids.device)
         if attention_mask is not None:
-            if attention_mask.dim() != 2:
-                verified = [False] * num_rows
-            else:
-                verified = [a and b for a, b in zip(verified, attention_mask.bool().all(dim=1).tolist())]
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != num_rows:
+                return False
+            ok &= attention_mask.bool().all(dim=1).to(ok.device)
         if position_ids is not None:
+            if position_ids.dim() != 2 or position_ids.shape[-1] != num_new or position_ids.shape[0] not in (1, num_rows):
+                return False
             expected = torch.arange(self._seq_len, self._seq_len + num_new, device=position_ids.device)
-            if position_ids.dim() != 2 or position_ids.shape[-1] != num_new:
-                verified = [False] * num_rows
-            else:
-                rows_ok = (position_ids == expected).all(dim=1).tolist()
-                verified = [a and b for a, b in zip(verified, rows_ok * (num_rows if len(rows_ok) == 1 else 1))]
-        self._pending_inputs = [RowInputs(ids, ok) for ids, ok in zip(input_ids.tolist(), verified)]
+            ok &= (position_ids == expected).all(dim=1).to(ok.device)
+        return ok
 
     def _note_forward_end(self, failed: bool) -> None:
         self._pending_inputs = None
@@ -67,6 +76,8 @@ class Stepping:
 
     def _take_inputs(self, num_rows: int, num_new: int) -> list[RowInputs]:
         pending, self._pending_inputs = self._pending_inputs, None
+        if isinstance(pending, DeferredInputs):
+            return pending if pending.shape == (num_rows, num_new) else [RowInputs(None, False)] * num_rows
         if pending is None or len(pending) != num_rows or any(len(p.token_ids) != num_new for p in pending):
             return [RowInputs(None, False) for _ in range(num_rows)]
         return pending
@@ -88,7 +99,8 @@ class Stepping:
         self._check_fits(num_rows, num_tokens)
         inputs = self._take_inputs(num_rows, num_new)
         step = Step(num_new, num_tokens, created_rows=not self._rows, inputs=inputs,
-                    forward_seen=inputs[0].token_ids is not None, started_s=started_s)
+                    forward_seen=isinstance(inputs, DeferredInputs) or inputs[0].token_ids is not None,
+                    started_s=started_s)
         if step.created_rows:
             self._rows = [Row() for _ in range(num_rows)]
         self._step = step

@@ -21,6 +21,12 @@ from . import contracts, reference
 from .sources import KERNEL_FILES, read_source
 
 DECODE_THREADS = 128  # TKV_DECODE_THREADS
+DECODE_GROUP_TILES = (1, 2, 4, 8)  # entry points paged_decode_g<G>_*; TKV_DECODE_MAX_GROUP = 8
+PARTITION_MIN_TOKENS = 256  # rows no longer than this (table width) run as one partition, no merge
+PARTITION_CTAS_PER_SM = 32  # partitions grow (x2) until the split grid has at most this many CTAs per SM
+DEFAULT_SM_COUNT = 132  # when the device cannot be asked (recording tests on CPU)
+# Tests set a partition size (tokens, rounded up to a multiple of block_size) to force many partitions.
+DECODE_PARTITION_TOKENS: int | None = None
 MERGE_THREADS = 128  # TKV_MERGE_THREADS
 COPY_THREADS = 128  # TKV_COPY_THREADS
 COMPILE_OPTIONS = ("-std=c++17",)
@@ -108,9 +114,76 @@ def _i64(value: int) -> np.int64:
     return np.int64(value)
 
 
+def decode_group_tile(groups: int) -> int:
+    """Query heads per CTA: the smallest tile of DECODE_GROUP_TILES holding the GQA group, at most 8."""
+    for tile in DECODE_GROUP_TILES:
+        if groups <= tile:
+            return tile
+    return DECODE_GROUP_TILES[-1]
+
+
+def decode_partitions(max_tokens: int, block_size: int, row_ctas: int, sm_count: int,
+                      forced: int | None = None) -> tuple[int, int]:
+    """(partition_size, num_partitions) of a split decode over rows of at most `max_tokens` positions.
+
+    `max_tokens` is the block table's width * block_size (the longest row possible: no sync to learn
+    the real lengths), `row_ctas` = B * H_kv * group tiles (the CTAs of one partition). A table no
+    wider than PARTITION_MIN_TOKENS runs as one partition (the kernel writes out/lse, no merge);
+    otherwise partitions start at PARTITION_MIN_TOKENS (or block_size when larger) and double while
+    the grid would exceed PARTITION_CTAS_PER_SM CTAs per SM (large batches need no split; it also
+    bounds the workspace). Partition sizes are multiples of block_size.
+    """
+    if forced is not None:
+        size = -(-max(int(forced), 1) // block_size) * block_size
+    elif max_tokens <= max(PARTITION_MIN_TOKENS, block_size):
+        return max(max_tokens, block_size), 1
+    else:
+        size = max(PARTITION_MIN_TOKENS, block_size)
+        budget = PARTITION_CTAS_PER_SM * max(sm_count, 1)
+        while size < max_tokens and -(-max_tokens // size) * row_ctas > budget:
+            size *= 2
+    count = max(-(-max_tokens // size), 1)
+    if count == 1:
+        return max(max_tokens, block_size), 1
+    return size, count
+
+
+def decode_vector_loads(sources: Sequence, addresses: Sequence, head_dim: int, element_size: int) -> bool:
+    """True when every K/V row of every source is 16-byte aligned (the kernel then loads 16-byte units).
+
+    addresses: the device address of each source's (k, v). D and every stride of a dim longer than 1
+    must be multiples of 16 / element_size elements, every base address a multiple of 16 bytes.
+    """
+    width = 16 // element_size
+    if head_dim % width:
+        return False
+    for (k, v), (k_address, v_address) in zip(sources, addresses):
+        if int(k_address) % 16 or int(v_address) % 16:
+            return False
+        for t in (k, v):
+            if any(stride % width for stride, size in zip(t.stride()[:3], t.shape[:3]) if size > 1):
+                return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_type: str, index: int | None) -> int:
+    if device_type != "cuda":
+        return DEFAULT_SM_COUNT
+    return int(torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+               .multi_processor_count)
+
+
 def paged_decode(query: torch.Tensor, sources: Sequence, block_table: torch.Tensor, tier_tags,
                  start_offsets: torch.Tensor, seq_lens: torch.Tensor, scale: float):
-    """Same contract and result as reference.paged_decode; one launch, grid (Hq, B)."""
+    """Same contract and result as reference.paged_decode.
+
+    One launch of paged_decode_g<G>_* (16-byte loads; paged_decode_scalar_* when the K/V rows are
+    not 16-byte aligned, see decode_vector_loads) over grid (partitions, H_kv * group tiles, B).
+    With more than one partition (decode_partitions) it writes float32 partials to a workspace
+    allocated on the query's device, and a second launch, merge_partitions_* over (Hq, B), merges
+    them into out/lse. No host sync; both launches on torch's current stream.
+    """
     if not _takes_cuda_path(query):
         return reference.paged_decode(query, sources, block_table, tier_tags, start_offsets, seq_lens, scale)
     shape = contracts.check_paged_decode(query, sources, block_table, tier_tags, start_offsets, seq_lens, scale,
@@ -120,13 +193,31 @@ def paged_decode(query: torch.Tensor, sources: Sequence, block_table: torch.Tens
     if shape.batch == 0 or shape.num_q_heads == 0:
         return out, lse
     source_args: list = []
+    addresses = []
     for index in range(contracts.MAX_SOURCES):
         if index < len(sources):
             k, v = sources[index]
-            source_args += [_ptr(k), _ptr(v), *map(_i64, k.stride()[:3]), *map(_i64, v.stride()[:3]),
-                            _i32(k.shape[0])]
+            k_ptr, v_ptr = _ptr(k), _ptr(v)
+            addresses.append((k_ptr, v_ptr))
+            source_args += [k_ptr, v_ptr, *map(_i64, k.stride()[:3]), *map(_i64, v.stride()[:3]), _i32(k.shape[0])]
         else:
             source_args += [_ptr(None), _ptr(None), *[_i64(0)] * 6, _i32(0)]
+    if decode_vector_loads(sources, addresses, shape.head_dim, query.element_size()):
+        tile = decode_group_tile(shape.groups)
+        variant = f"g{tile}"
+    else:  # element-by-element loads for any layout; one entry (tile 8) keeps the module small
+        tile, variant = DECODE_GROUP_TILES[-1], "scalar"
+    tiles = -(-shape.groups // tile)
+    max_tokens = shape.max_blocks * shape.block_size
+    partition_size, num_partitions = decode_partitions(
+        max_tokens, shape.block_size, shape.batch * shape.num_kv_heads * tiles,
+        _sm_count(query.device.type, query.device.index), DECODE_PARTITION_TOKENS)
+    part_out = part_lse = None
+    if num_partitions > 1:
+        part_out = torch.empty(shape.batch, shape.num_q_heads, num_partitions, shape.head_dim, dtype=torch.float32,
+                               device=query.device)
+        part_lse = torch.empty(shape.batch, shape.num_q_heads, num_partitions, dtype=torch.float32,
+                               device=query.device)
     tag_bytes = 0 if tier_tags is None else tier_tags.element_size()
     args = (
         _ptr(out), _ptr(lse), _ptr(query), _i64(query.stride(0)), _i64(query.stride(1)),
@@ -135,10 +226,21 @@ def paged_decode(query: torch.Tensor, sources: Sequence, block_table: torch.Tens
         _ptr(tier_tags), _i32(tag_bytes), _ptr(start_offsets), _ptr(seq_lens),
         _i32(shape.num_kv_heads), _i32(shape.groups), _i32(shape.head_dim), _i32(shape.block_size),
         _i32(shape.max_blocks), np.float32(scale),
+        _ptr(part_out), _ptr(part_lse), _i32(num_partitions), _i32(partition_size),
     )
-    kernel = f"paged_decode_{_DTYPE_SUFFIX[query.dtype]}"
-    _launch("paged_decode.cu", kernel, (shape.num_q_heads, shape.batch, 1), (DECODE_THREADS, 1, 1), args,
-            query.device)
+    suffix = _DTYPE_SUFFIX[query.dtype]
+    _launch("paged_decode.cu", f"paged_decode_{variant}_{suffix}",
+            (num_partitions, shape.num_kv_heads * tiles, shape.batch), (DECODE_THREADS, 1, 1), args, query.device)
+    if num_partitions > 1:
+        merge_args = (
+            _ptr(out), _ptr(lse), _ptr(part_out), _ptr(part_lse), _ptr(start_offsets), _ptr(seq_lens),
+            _i32(shape.num_q_heads), _i32(shape.head_dim), _i32(num_partitions), _i32(partition_size),
+            _i32(max_tokens),
+        )
+        # the workspace goes back to torch's caching allocator on return: freed in stream order
+        # (allocated and used on the current stream), so no later kernel can reuse it too early
+        _launch("merge_partitions.cu", f"merge_partitions_{suffix}", (shape.num_q_heads, shape.batch, 1),
+                (MERGE_THREADS, 1, 1), merge_args, query.device)
     return out, lse
 
 

@@ -19,6 +19,7 @@ from .cases import TIERS, build_decode_case, make_sources
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_SIZES = (8, 16, 32)
 TIER_MIXES = (("hot",), ("warm",), ("staging",), ("hot", "warm", "staging"))
+SPLIT_TOKENS = 1200  # > cuda.PARTITION_MIN_TOKENS: several partitions and the merge kernel
 
 
 def max_abs_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -33,8 +34,13 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def selfcheck(device="cuda", dtypes=DTYPES, block_sizes=BLOCK_SIZES, tier_mixes=TIER_MIXES,
-              head_dim: int = 128, seed: int = 0) -> dict:
-    """{"backend", "fallback_reason", "seconds", op: {"dtype/bsN/tiers": error or {"out", "lse"}}}."""
+              head_dim: int = 128, seed: int = 0, split_tokens: int | None = SPLIT_TOKENS) -> dict:
+    """{"backend", "fallback_reason", "seconds", op: {"dtype/bsN/tiers": error or {"out", "lse"}}}.
+
+    With `split_tokens`, paged_decode also runs once per dtype over rows of that many positions
+    (block_sizes[0], tier_mixes[-1], GQA group 4: "dtype/bsN/tiers/splitT"), long enough for the CUDA
+    path to split them into partitions and merge them.
+    """
     started = time.perf_counter()
     ops = get_ops()
     device = torch.device(device)
@@ -50,6 +56,14 @@ def selfcheck(device="cuda", dtypes=DTYPES, block_sizes=BLOCK_SIZES, tier_mixes=
                 report["paged_decode"][f"{_name(dtype)}/bs{block_size}/{'+'.join(tiers)}"] = {
                     "out": max_abs_error(out, want_out), "lse": max_abs_error(lse, want_lse)}
                 _check_copies(report, ops, dtype, block_size, head_dim, device, seed)
+        if split_tokens:
+            block_size, tiers = block_sizes[0], tier_mixes[-1]
+            case = build_decode_case(dtype=dtype, block_size=block_size, tiers=tiers, head_dim=head_dim, groups=4,
+                                     num_kv_heads=2, max_tokens=split_tokens, device=device, seed=seed)
+            out, lse = ops.paged_decode(*case.args())
+            want_out, want_lse = reference.paged_decode(*case.args())
+            report["paged_decode"][f"{_name(dtype)}/bs{block_size}/{'+'.join(tiers)}/split{split_tokens}"] = {
+                "out": max_abs_error(out, want_out), "lse": max_abs_error(lse, want_lse)}
         _check_merge(report, ops, dtype, head_dim, device, seed)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -16,9 +16,13 @@ from pathlib import Path
 from ..errors import LayoutError
 
 HEADER_NAME = "tiered_kv_ops.h"
-# one kernel per file; each file's C entry points (dtype instantiations of that one kernel)
+# one kernel per file; each file's C entry points (instantiations of that one kernel)
 KERNEL_FILES = {
-    "paged_decode.cu": ("paged_decode_f32", "paged_decode_f16", "paged_decode_bf16"),
+    # paged_decode: per dtype, one entry per group tile G (query heads per CTA) reading 16-byte
+    # units, and one (G = 8) reading element by element for any other layout
+    "paged_decode.cu": tuple(f"paged_decode_{variant}_{t}" for t in ("f32", "f16", "bf16")
+                             for variant in ("g1", "g2", "g4", "g8", "scalar")),
+    "merge_partitions.cu": ("merge_partitions_f32", "merge_partitions_f16", "merge_partitions_bf16"),
     "merge_states.cu": ("merge_states_f32", "merge_states_f16", "merge_states_bf16"),
     "gather_blocks.cu": ("gather_blocks",),
     "scatter_blocks.cu": ("scatter_blocks",),

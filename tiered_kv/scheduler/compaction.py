@@ -63,7 +63,10 @@ class RowLayout:
         return self.owner, self.row
 
     def longest_run(self) -> int:
-        return longest_run(self.slots)
+        run = self.__dict__.get("_longest_run")  # computed once (the row never changes)
+        if run is None:
+            run = self.__dict__["_longest_run"] = longest_run(self.slots)
+        return run
 
     def contiguity(self) -> float:
         return self.longest_run() / self.num_blocks if self.block_ids else 1.0
@@ -84,6 +87,15 @@ def longest_run(slots: Sequence[int]) -> int:
     """Length of the longest stretch of `slots` where each slot is the one before plus one."""
     if len(slots) < 2:
         return len(slots)
+    first = slots[0]
+    if slots[-1] - first == len(slots) - 1 and list(slots) == list(range(first, first + len(slots))):
+        return len(slots)  # one run (the common case: checked at C speed)
+    if len(slots) <= 32:  # short rows: a plain loop beats numpy's call overhead
+        best = run = 1
+        for before, after in zip(slots, slots[1:]):
+            run = run + 1 if after == before + 1 else 1
+            best = max(best, run)
+        return best
     breaks = np.flatnonzero(np.diff(np.asarray(slots, dtype=np.int64)) != 1)
     edges = np.concatenate(([-1], breaks, [len(slots) - 1]))
     return int(np.diff(edges).max())

@@ -355,6 +355,25 @@ class MemScheduler:
             if sim.is_movable(block_id) and sim.tier(block_id) == HOT:
                 sim.move(block_id, HOT, WARM)
 
+    def idle_outlook(self, index: BlockIndex, capacities: list[int]) -> tuple[int | None, bool]:
+        """After a background plan: (the earliest store step at which one more hot block may
+        turn idle, or None when idle demotion is off; whether some hot block is idle already
+        (one the plan could not move: pinned, or no room in warm)). Blocks that arrive in hot
+        later turn idle no sooner than `idle_steps` from now, so the step is capped there."""
+        idle_steps = self.settings.idle_steps
+        if idle_steps == 0 or capacities[WARM] == 0:
+            return None, False
+        log = self.access_log
+        if index.count_in(HOT) == 0:
+            return log.now + idle_steps, False
+        ids = np.fromiter(index.recency(HOT), dtype=np.int64, count=index.count_in(HOT))
+        last = np.maximum(log.last_read_step(ids), np.asarray(index.arrival_steps(ids), dtype=np.int64))
+        turns_idle = np.floor(last + idle_steps * (1.0 + log.cost_sensitivity(ids))).astype(np.int64) + 1
+        idle_now = turns_idle <= log.now
+        later = turns_idle[~idle_now]
+        next_step = min(int(later.min()) if len(later) else log.now + idle_steps, log.now + idle_steps)
+        return next_step, bool(idle_now.any())
+
     def _promote_by_score(self, sim, index, capacities, watermarks, max_moves) -> None:
         candidates = [b for tier in (WARM, COLD) for b in index.recency(tier)]
         if not candidates:

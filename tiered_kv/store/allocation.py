@@ -78,7 +78,7 @@ class Allocation:
                 if plan is None:
                     self._no_room(owner, num_blocks, result)
                 if not plan.moves:
-                    block_ids = self._place(plan.new_block_tiers, follow)
+                    block_ids = self._place(plan.new_block_tiers, follow, owner)
                     state.pin_more(owner, block_ids)
                     return block_ids
                 batch = store.transfers.prepare(plan.moves, ON_DEMAND, movable)
@@ -100,7 +100,7 @@ class Allocation:
                                 f"({type(error).__name__}: {error}); nothing else can move") from error
         raise self.capacity_error(num_blocks)
 
-    def _place(self, tiers: list[int], follow) -> list[int]:
+    def _place(self, tiers: list[int], follow, owner: int) -> list[int]:
         """Index entries for new blocks in the plan's `tiers`, hot ones consecutive per `follow` group."""
         state = self.store.state
         block_ids = []
@@ -108,13 +108,13 @@ class Allocation:
         for count, previous in follow or [(len(tiers), None)]:
             group = tiers[start:start + count]
             start += count
-            hot_slots = self._hot_slots(group.count(HOT), previous, follow is not None)
+            hot_slots = self._hot_slots(group.count(HOT), previous, follow is not None, owner)
             for tier in group:
                 slot = hot_slots.pop(0) if tier == HOT else state.pools[tier].allocate(1)[0]
                 block_ids.append(state.index.add(tier, slot))
         return block_ids
 
-    def _hot_slots(self, num_slots: int, previous: int | None, as_run: bool) -> list[int]:
+    def _hot_slots(self, num_slots: int, previous: int | None, as_run: bool, owner: int) -> list[int]:
         if not num_slots:
             return []
         state, pool = self.store.state, self.store.state.pools[HOT]
@@ -126,7 +126,7 @@ class Allocation:
         if slots is None:  # no run is long enough: as few pieces as the free slots allow
             slots = pool.allocate_runs(num_slots, after) if as_run else pool.allocate(num_slots)
         if after is None or slots[0] != after + 1:
-            self.store.compaction.note_layout_change()  # the sequence may not continue in place here
+            self.store.compaction.note_layout_change(owner)  # the sequence may not continue in place here
         return slots
 
     def capacity_error(self, num_blocks: int) -> CapacityError:

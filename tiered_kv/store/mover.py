@@ -22,7 +22,7 @@ import time
 import weakref
 from collections import OrderedDict
 
-from ..blocks import COLD, DROPPED, HOT
+from ..blocks import COLD, DROPPED, HOT, WARM
 from ..hw.block_io import ColdWriteError
 from ..metrics.registry import BACKGROUND
 from ..scheduler import Plan
@@ -48,7 +48,8 @@ class Mover:
         settings = store.config.scheduler
         # ALI and idleness change with steps: replan an empty background plan every few of them
         self._recheck_steps = max(1, min(settings.ali_window, settings.idle_steps or settings.ali_window) // 8)
-        self._quiet_since: tuple[int, tuple[int, ...]] | None = None
+        self._quiet: _Quiet | None = None  # what the last empty background plan saw
+        self._lower_read_step = -1  # store step of the last step that read blocks outside hot
         self.num_batches = 0
         self.num_cancelled = 0
         self.bytes_moved = 0
@@ -76,8 +77,11 @@ class Mover:
         self._requests.pop(owner, None)
         self._expected.pop(owner, None)
 
-    def step_started(self, owner: int) -> None:
-        """The chat's turn began: its prefetch, done or not, is over."""
+    def step_started(self, owner: int, read_lower_tiers: bool = False) -> None:
+        """The chat's step began (its prefetch, done or not, is over); `read_lower_tiers`: it
+        reads blocks outside hot (a working set that spilled, which ALI may bring up)."""
+        if read_lower_tiers:
+            self._lower_read_step = self.store.access_log.now
         if self._expected:
             self.drop_requests(owner)
 
@@ -191,9 +195,11 @@ class Mover:
                                                    store.watermarks, leave_alone, self.batch_blocks)
             plan = self._without_cold_moves_while_backing_off(plan)
             if plan.moves:
+                self._quiet = None
                 return plan, leave_alone
-            # nothing to do: plan again once tier use changes or enough steps passed to change scores
-            self._quiet_since = (store.access_log.now, tuple(state.free_slots()))
+            # nothing to do: plan again only once something a plan reads changed (see below)
+            idle_step, idle_stuck = store.scheduler.idle_outlook(state.index, state.capacities)
+            self._quiet = _Quiet(store.access_log.now, tuple(state.free_slots()), idle_step, idle_stuck)
         return store.compaction.plan(self.batch_blocks), state.is_pinned
 
     def _without_cold_moves_while_backing_off(self, plan: Plan) -> Plan:
@@ -203,13 +209,45 @@ class Mover:
         return dataclasses.replace(plan, moves=[m for m in plan.moves if m.dst_tier != COLD])
 
     def _background_may_have_work(self) -> bool:
-        """False while nothing that a background plan reads changed since one came back empty
-        (the mover wakes at every step's end: it must not replan O(blocks) each time)."""
-        if self._quiet_since is None:
+        """False while nothing a background plan reads changed since one came back empty: O(1),
+        so idle chats cost nothing however many there are (the mover wakes every interval).
+        A plan may find work again once a block turns idle (`idle_outlook`), or, after tier use
+        changed or `_recheck_steps` steps passed (scores move with steps), while a tier is over
+        its high watermark, an idle block found no room, or (ALI) a step lately read blocks
+        outside hot while a tier above them is under its low watermark."""
+        quiet = self._quiet
+        if quiet is None:
             return True
         if self._cold_retry_pending and time.monotonic() >= self._cold_retry_at:
             self._cold_retry_pending = False  # a backoff on moves into cold ended: try them again
             return True
         store = self.store
-        step, free = self._quiet_since
-        return tuple(store.state.free_slots()) != free or store.access_log.now - step >= self._recheck_steps
+        state, now = store.state, store.access_log.now
+        if quiet.idle_step is not None and now >= quiet.idle_step:
+            return True
+        free = tuple(state.free_slots())
+        if free == quiet.free_slots and now - quiet.step < self._recheck_steps:
+            return False
+        capacities, marks = state.capacities, store.watermarks
+        used = [capacity - f for capacity, f in zip(capacities, free)]
+        if any(capacities[t] and used[t] > marks.high_blocks[t] and self._can_demote(t, free) for t in (HOT, WARM)):
+            return True
+        if quiet.idle_stuck:
+            return True
+        window = store.access_log.window_steps
+        return store.scheduler.policy == "ali" and self._lower_read_step >= now - max(1, window // 10) \
+            and any(capacities[t] and used[t] < marks.low_blocks[t] for t in (HOT, WARM))
+
+    def _can_demote(self, tier: int, free: tuple[int, ...]) -> bool:
+        """Some block of `tier` could go: a lower tier has a free slot, or one is unreferenced (dropped)."""
+        capacities = self.store.state.capacities
+        return any(capacities[t] and free[t] for t in range(tier + 1, len(free))) or \
+            bool(len(self.store.state.index.unreferenced(tier)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Quiet:
+    step: int  # store step of the empty plan
+    free_slots: tuple[int, ...]  # free slots per tier then
+    idle_step: int | None  # when a hot block may turn idle next (None: idle demotion off)
+    idle_stuck: bool  # a hot block was idle already but the plan could not move it

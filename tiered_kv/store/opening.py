@@ -119,10 +119,12 @@ class Opening:
         store.access_log.record_step(request.owner, itertools.chain(request.block_set, allocated), tables,
                                      request.cost_sensitivity)
         index.clock = store.access_log.now
-        if store.mover is not None:
-            store.mover.step_started(request.owner)
-        for tier, count in tier_counts([(row.tiers, None) for row in rows]).items():
+        store.compaction.note_step(request.owner, cache.tables)
+        counts = tier_counts([(row.tiers, None) for row in rows])
+        for tier, count in counts.items():
             store.metrics.hits.inc((TIER_NAMES[tier],), count)
+        if store.mover is not None:
+            store.mover.step_started(request.owner, read_lower_tiers=any(t != HOT for t in counts))
         state.pin_more(request.owner, allocated)
         build.handed_over = True
         lease = StepLease(self, request, rows, build.result.committed, reads_host(rows), index.placement_version)
@@ -225,7 +227,7 @@ class _Build:
             self.allocated += copies
             for r, tail, copy in zip(rows, tails, copies):
                 self.tail_copies[r] = (tail, copy)
-            store.compaction.note_layout_change()
+            store.compaction.note_layout_change(self.request.owner)
             return
 
     def allocate_new_blocks(self) -> None:

@@ -319,6 +319,7 @@ class TierStore:
         with self.lock:
             self.access_log.forget_chat(owner)
             self.opening.forget(owner)
+            self.compaction.forget(owner)
             if self.mover is not None:
                 self.mover.drop_requests(owner)
 
