@@ -53,6 +53,17 @@ def streaming(request, monkeypatch):
     return request.param
 
 
+def _logits_per_step_in_mode(model, config, mode):
+    bank = tiered_kv.CacheBank(model, config)
+    hooks.install(model, bank, mode=mode)
+    try:
+        assert bank.hooks_mode == mode
+        return _logits_per_step(model, bank, _turn_ids(1, 23), 6)
+    finally:
+        hooks.uninstall(model)
+        bank.close()
+
+
 @pytest.mark.parametrize("streaming", ("on", "off"), indirect=True)
 @pytest.mark.parametrize("kind", TIER_KINDS)
 def test_exact_logits_are_bitwise_equal_to_sdpa(kind, streaming, model, tmp_path):
@@ -65,6 +76,9 @@ def test_exact_logits_are_bitwise_equal_to_sdpa(kind, streaming, model, tmp_path
         assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
     counts = bank.stats()["hooks"]
     assert counts["mode"] == "exact"
+    fast = _logits_per_step_in_mode(model, tier_config(kind, tmp_path / "fast"), "fast")
+    for step, (a, b) in enumerate(zip(fast, expected)):  # fast: the same path, no copy on CUDA: bitwise on CPU
+        assert torch.equal(a, b), f"fast, step {step}: max diff {(a - b).abs().max().item()}"
     if kind == "all_hot":
         assert counts["layers_view"] > 0 and counts["layers_streamed"] == 0
     elif streaming == "on":  # history below hot: fetched a layer ahead by the stream worker
@@ -280,8 +294,8 @@ def test_attention_layers_without_layer_idx_are_refused(model, tmp_path):
 
 def test_install_checks_mode_and_bank(model, tmp_path):
     bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))
-    with pytest.raises(ValueError, match="allowed: \\['exact', 'merge'\\]"):
-        hooks.install(model, bank, mode="fast")
+    with pytest.raises(ValueError, match="allowed: \\['exact', 'fast', 'merge'\\]"):
+        hooks.install(model, bank, mode="paged")
     config_bank = tiered_kv.CacheBank(model.config, tier_config("all_hot", tmp_path / "b"))
     with pytest.raises(ValueError, match="built from this model"):
         hooks.install(model, config_bank)

@@ -118,3 +118,67 @@ def test_a_chat_that_stops_decoding_is_compacted_once_it_is_quiet():
         assert store.index.get(bank.block_table()[0]).tier == HOT
     a.close(), b.close()
     store.close()
+
+
+# --- the rows the compactor keeps stay true (review of the incremental cache) ----------------------
+
+def _quiet_store(hot_blocks=48):
+    config = {"block_size": BLOCK, "hot": {"device": "cpu", "capacity_blocks": hot_blocks},
+              "warm": {"capacity_blocks": 64}, "cold": {"capacity": 0},
+              "scheduler": {"background": False, "min_contiguity": 1.0}}
+    return tiered_kv.TierStore(config), config
+
+
+def _fresh_rows(store, bank):
+    """The bank's row as the index says now: (hot block ids, their slots)."""
+    table = bank.block_table(0)
+    tiers, slots = store.state.placements(table)
+    return tuple(b for b, t in zip(table, tiers.tolist()) if t == HOT), tuple(slots[tiers == HOT].tolist())
+
+
+def _cached_rows(store, bank):
+    with store.lock:
+        store.compaction._refresh()
+        (row,) = store.compaction._rows_by_owner[bank._step_owner]
+        return row.block_ids, row.slots
+
+
+def test_a_step_then_a_crop_leaves_no_freed_block_in_the_rows():
+    from tiered_kv.blocks import WARM
+    model = tiny_model("llama")
+    store, config = _quiet_store()
+    a, c = (tiered_kv.CacheBank(model, config, store=store) for _ in range(2))
+    with torch.no_grad():
+        model(rand_ids(1, 4 * BLOCK), past_key_values=a)
+        model(rand_ids(3, 3 * BLOCK), past_key_values=c)
+        store.demote([c.block_table(0)[1]], WARM)  # c needs repair: compaction plans
+        with store.lock:
+            store.compaction._refresh()
+        model(rand_ids(2, 1), past_key_values=a)  # a's step allocates a block...
+        a.crop(-1)  # ...that is freed again (assisted generation rejecting a candidate)
+    time.sleep(0.3)  # both chats quiet
+    assert _cached_rows(store, a) == _fresh_rows(store, a)
+    with store.lock:
+        store.compaction.plan(64)  # never names a freed block (it raised KeyError)
+    a.close(), c.close()
+    store.close()
+
+
+def test_a_block_two_chats_shared_that_moves_later_updates_the_chat_that_kept_it():
+    import copy
+    from tiered_kv.blocks import WARM
+    model = tiny_model("llama")
+    store, config = _quiet_store()
+    a = tiered_kv.CacheBank(model, config, store=store)
+    with torch.no_grad():
+        model(rand_ids(1, 4 * BLOCK), past_key_values=a)
+        b = copy.deepcopy(a)
+        model(rand_ids(2, 1), past_key_values=b)  # b laid out last: it shares a's blocks
+    with store.lock:
+        store.compaction._refresh()
+    b.close()
+    store.demote([a.block_table(0)[1]], WARM)  # a's block, no longer shared, moves
+    assert _cached_rows(store, a) == _fresh_rows(store, a)
+    assert store.stats()["contiguity_min"] == pytest.approx(a.stats()["contiguity"])
+    a.close()
+    store.close()

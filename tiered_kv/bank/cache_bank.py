@@ -315,7 +315,7 @@ class CacheBank(Stepping, ChatOps, Cache):
     # ---- tiered_kv.hooks ---------------------------------------------------------------------
     @property
     def hooks_mode(self) -> str | None:
-        """"exact" / "merge" while the bank's model runs tiered_kv.hooks' attention, else None."""
+        """"exact" / "fast" / "merge" while the bank's model runs tiered_kv.hooks' attention, else None."""
         model = self._model_ref() if self._model_ref is not None else None
         if model is None:
             return None

@@ -36,16 +36,15 @@ class DeferredInputs:
         self._rows: list[RowInputs] | None = None
 
     @classmethod
-    def copy(cls, input_ids, ok) -> "DeferredInputs":
-        ids_host = torch.empty(input_ids.shape, dtype=input_ids.dtype, pin_memory=True)
-        ids_host.copy_(input_ids, non_blocking=True)
-        ok_host = None
-        if isinstance(ok, torch.Tensor):
+    def copy(cls, input_ids: torch.Tensor, ok: torch.Tensor) -> "DeferredInputs":
+        with torch.cuda.device(input_ids.device):  # the copies and the event on the ids' stream
+            ids_host = torch.empty(input_ids.shape, dtype=input_ids.dtype, pin_memory=True)
+            ids_host.copy_(input_ids, non_blocking=True)
             ok_host = torch.empty(ok.shape, dtype=torch.bool, pin_memory=True)
             ok_host.copy_(ok, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(ids_host, ok_host if ok_host is not None else bool(ok), event)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(input_ids.device))
+        return cls(ids_host, ok_host, event)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -54,8 +53,7 @@ class DeferredInputs:
         if self._rows is None:
             if not self._event.query():
                 self._event.synchronize()
-            ok = self._ok_host.tolist() if not isinstance(self._ok_host, bool) else [self._ok_host] * self.shape[0]
-            self._rows = [RowInputs(ids, bool(v)) for ids, v in zip(self._ids_host.tolist(), ok)]
+            self._rows = [RowInputs(ids, v) for ids, v in zip(self._ids_host.tolist(), self._ok_host.tolist())]
         return self._rows[row]
 
 

@@ -35,30 +35,39 @@ class Stepping:
         if self._closed or model is None or module is not model or not isinstance(input_ids, torch.Tensor) \
                 or input_ids.dim() != 2:
             return  # another model computes through this bank: its ids prove nothing about our KV
-        num_rows, num_new = input_ids.shape
-        if input_ids.is_cuda:  # no host sync before the forward: the ids are read at commit
-            self._pending_inputs = DeferredInputs.copy(input_ids, self._rows_ok(input_ids, attention_mask,
-                                                                               position_ids))
-            return
         ok = self._rows_ok(input_ids, attention_mask, position_ids)
-        verified = ok.tolist() if isinstance(ok, torch.Tensor) else [ok] * num_rows
-        self._pending_inputs = [RowInputs(ids, bool(v)) for ids, v in zip(input_ids.tolist(), verified)]
+        if ok is None:
+            return  # the mask or the positions cover fewer rows: the ids prove nothing
+        if input_ids.is_cuda:  # no host sync before the forward: the ids are read at commit
+            self._pending_inputs = DeferredInputs.copy(input_ids, ok)
+            return
+        self._pending_inputs = [RowInputs(ids, v) for ids, v in zip(input_ids.tolist(), ok.tolist())]
 
     def _rows_ok(self, input_ids, attention_mask, position_ids):
         """Per row, whether the mask and the positions say these ids continue the bank's tokens:
-        a bool tensor on the ids' device (computed without a sync), or one bool for all rows."""
+        a bool tensor on the ids' device, computed without a sync; None when the mask or the
+        positions cover fewer rows than the ids (a one-row position tensor counts for all). A
+        mask or positions of another rank or length leave every row unverified."""
         num_rows, num_new = input_ids.shape
-        ok = torch.ones(num_rows, dtype=torch.bool, device=input_ids.device)
+        device = input_ids.device
+        ok, length = torch.ones(num_rows, dtype=torch.bool, device=device), num_rows
         if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != num_rows:
-                return False
-            ok &= attention_mask.bool().all(dim=1).to(ok.device)
+            if attention_mask.dim() != 2:
+                ok, length = torch.zeros(num_rows, dtype=torch.bool, device=device), num_rows
+            else:
+                length = min(length, attention_mask.shape[0])
+                ok = ok[:length] & attention_mask[:length].bool().all(dim=1).to(device)
         if position_ids is not None:
-            if position_ids.dim() != 2 or position_ids.shape[-1] != num_new or position_ids.shape[0] not in (1, num_rows):
-                return False
-            expected = torch.arange(self._seq_len, self._seq_len + num_new, device=position_ids.device)
-            ok &= (position_ids == expected).all(dim=1).to(ok.device)
-        return ok
+            if position_ids.dim() != 2 or position_ids.shape[-1] != num_new:
+                ok, length = torch.zeros(num_rows, dtype=torch.bool, device=device), num_rows
+            else:
+                expected = torch.arange(self._seq_len, self._seq_len + num_new, device=position_ids.device)
+                rows_ok = (position_ids == expected).all(dim=1).to(device)
+                if len(rows_ok) == 1:
+                    rows_ok = rows_ok.expand(num_rows)
+                length = min(length, len(rows_ok))
+                ok = ok[:length] & rows_ok[:length]
+        return ok if length == num_rows else None
 
     def _note_forward_end(self, failed: bool) -> None:
         self._pending_inputs = None

@@ -79,12 +79,25 @@ def exact_attention(module, query, key, value, attention_mask, **kwargs):
     reads = _take_handle(module, kwargs)
     if reads is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return _sdpa_over_full_kv(reads, module, query, attention_mask, **kwargs)
+    return _sdpa_over_full_kv(reads, module, query, attention_mask, as_dynamic_cache=True, **kwargs)
 
 
-def _sdpa_over_full_kv(reads, module, query, attention_mask, **kwargs):
-    """transformers' sdpa over the layer's whole K/V as the handle gives it (view or buffer)."""
+def fast_attention(module, query, key, value, attention_mask, **kwargs):
+    reads = _take_handle(module, kwargs)
+    if reads is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return _sdpa_over_full_kv(reads, module, query, attention_mask, as_dynamic_cache=False, **kwargs)
+
+
+def _sdpa_over_full_kv(reads, module, query, attention_mask, as_dynamic_cache: bool, **kwargs):
+    """transformers' sdpa over the layer's whole K/V as the handle gives it (view or buffer).
+    `as_dynamic_cache` (exact mode): on CUDA, SDPA gets K and V contiguous in separate
+    allocations, as DynamicCache hands them: a strided view of the hot slab may make SDPA choose
+    another kernel (or another split of the same one), and the logits differ in the last bits.
+    On CPU a view gives the same bits (checked by the hooks tests), so it stays a view there."""
     key, value = reads.full_kv()
+    if as_dynamic_cache and key.is_cuda:
+        key, value = key.contiguous(), value.contiguous()
     result = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     reads.done()
     return result
@@ -103,7 +116,8 @@ def merge_attention(module, query, key, value, attention_mask, scaling=None, dro
             return paged[0].unsqueeze(1).contiguous(), None
     parts = reads.parts()
     if parts is None:  # this step cannot be split (see LayerReads.parts): the exact path
-        return _sdpa_over_full_kv(reads, module, query, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return _sdpa_over_full_kv(reads, module, query, attention_mask, as_dynamic_cache=False, scaling=scaling,
+                                  dropout=dropout, **kwargs)
     num_tokens, query_length = reads.num_tokens, query.shape[2]
     outs, lses = [], []
     for part_key, part_value, positions in parts:

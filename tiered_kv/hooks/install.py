@@ -19,9 +19,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..errors import LayoutError
-from .attention import exact_attention, merge_attention
+from .attention import exact_attention, fast_attention, merge_attention
 
-MODES = {"exact": ("tiered_kv_exact", exact_attention), "merge": ("tiered_kv_merge", merge_attention)}
+MODES = {"exact": ("tiered_kv_exact", exact_attention), "fast": ("tiered_kv_fast", fast_attention),
+         "merge": ("tiered_kv_merge", merge_attention)}
 MODE_OF_IMPLEMENTATION = {name: mode for mode, (name, _) in MODES.items()}  # what CacheBank.hooks_mode reads
 _STATE_ATTR = "_tiered_kv_hooks"
 
@@ -45,7 +46,10 @@ def install(model, bank, mode: str = "exact") -> None:
 
     mode="exact" (default): attention is transformers' own sdpa over the layer's K/V, read as a
     zero-copy view when the row's blocks are consecutive hot slots and gathered into a buffer
-    the bank reuses otherwise; logits are bitwise equal to sdpa over a DynamicCache.
+    the bank reuses otherwise; logits are bitwise equal to sdpa over a DynamicCache (on CUDA a
+    view is made contiguous first, so SDPA sees K and V as DynamicCache hands them).
+    mode="fast": exact's path without that copy on CUDA (the view goes to SDPA as it is: one
+    copy of the history less per layer; on CUDA the logits may differ in the last bits).
     mode="merge": one partial attention per tier part (hot view, lower-tier buffer), merged by
     their log-sum-exp; equal to ~1e-6 relative, not bitwise (see README, "Hooks").
     """

@@ -43,7 +43,7 @@ class HotCompaction:
         # rows of every live chat, laid out again only for the chats that stepped since (or all
         # of them once a block changed tier or slot, a layout event happened or a chat came or went)
         self._rows_key = None
-        self._owner_of: dict[int, int] = {}  # block of a chat's table -> the chat that last laid it out
+        self._owners_of: dict[int, set[int]] = {}  # block -> the chats whose tables named it when laid out
         self._rows_by_owner: dict[int, list[RowLayout]] = {}
         self._broken: dict[tuple[int, int], RowLayout] = {}  # rows not in one run of slots
         # chats to lay out again -> their rows' (table, tiers, slots) from their step, or None (read the index)
@@ -58,16 +58,17 @@ class HotCompaction:
     def note_layout_change(self, owner: int | None = None) -> None:
         """A hot block landed somewhere its sequence may not continue (see the module docstring):
         for `owner`'s step (only that chat's rows are laid out again), or anywhere."""
-        if owner is not None:
-            self._stepped[owner] = None
-        else:
+        if owner is None:
             self._layout_events += 1
+        elif owner in self.access_log.chats:  # (a new chat's first step is laid out by note_step)
+            self._stepped[owner] = None
 
     def note_step(self, owner: int, placed: list | None = None) -> None:
         """The chat began a step (its tables may have grown): its rows are laid out again (from
-        `placed`, each row's (table, tiers, slots) as the step found them, when given), and it is
-        not compacted until it has been quiet a while (see BUSY_S)."""
-        self._stepped[owner] = placed
+        `placed`, each row's (table, tiers, slots) as the step found them, when given and no
+        block changed place since), and it is not compacted until it has been quiet a while
+        (see BUSY_S)."""
+        self._stepped[owner] = (placed, self.index.placement_version) if placed is not None else None
         now = time.monotonic()
         interval = now - self._step_started_s.get(owner, now)
         self._step_started_s[owner] = now
@@ -100,7 +101,7 @@ class HotCompaction:
             live = self.access_log.chats
             self._step_started_s = {o: t for o, t in self._step_started_s.items() if o in live}
             self._busy_until_s = {o: t for o, t in self._busy_until_s.items() if o in live}
-            self._owner_of.clear()
+            self._owners_of.clear()
             self.index.take_hot_changes()
             for owner in live:
                 self._lay_out(owner)
@@ -110,32 +111,35 @@ class HotCompaction:
         if changed is None:  # too many to have kept: every row
             self._rows_key = None
             return self._refresh()
-        owner_of, index = self._owner_of, self.index
+        owners_of, index = self._owners_of, self.index
         for block_id in changed:
-            if block_id in index and index.get(block_id).ref_count > 1:  # in several chats' tables
-                self._rows_key = None
-                return self._refresh()
-            owner = owner_of.get(block_id)
-            if owner is not None:
+            for owner in owners_of.get(block_id, ()):
                 stepped[owner] = None  # its step's placements are out of date
-                if block_id not in index:
-                    del owner_of[block_id]
-        if len(owner_of) > 2 * len(index) + 1024:  # entries of chats gone: start afresh
+            if block_id not in index:
+                owners_of.pop(block_id, None)
+        if len(owners_of) > 2 * len(index) + 1024:  # entries of chats gone: start afresh
             self._rows_key = None
             return self._refresh()
         for owner, placed in stepped.items():
             self._lay_out(owner, placed)
 
-    def _lay_out(self, owner: int, placed: list | None = None) -> None:
-        owner_of = self._owner_of
+    def _lay_out(self, owner: int, placed: tuple | None = None) -> None:
+        owners_of = self._owners_of
         for row in self._rows_by_owner.pop(owner, ()):
             self._broken.pop(row.key, None)
         chat = self.access_log.chats.get(owner)
         if chat is None:
             return
         index, rows = self.index, []
+        if placed is not None:  # a step's placements, good while no block changed place since
+            placed = placed[0] if placed[1] == index.placement_version else None
         for r, table in enumerate(chat.tables):
-            owner_of.update(dict.fromkeys(table, owner))
+            for block_id in table:
+                owners = owners_of.get(block_id)
+                if owners is None:
+                    owners_of[block_id] = {owner}
+                elif owner not in owners:
+                    owners.add(owner)
             if placed is not None and r < len(placed) and placed[r][0] is table:
                 _, tiers, slots = placed[r]
                 hot = tiers == HOT
@@ -222,7 +226,7 @@ class HotCompaction:
         pinned = self.state.pinned_now()
         # nothing can be repaired when last time found nothing with the same layout and given-up
         # sequences, and no fewer sequences in need, no less room, no more pins or busy chats
-        stuck = _Stuck(self._rows_key, frozenset(self._given_up), frozenset(row.key for row in needy),
+        stuck = _Stuck((self._rows_key, self.index.placement_version), frozenset(self._given_up), frozenset(needy),
                        (pool.num_free, pool.largest_free_run()), frozenset(pinned), frozenset(busy))
         if self._stuck is not None and self._stuck.covers(stuck):
             return None
@@ -276,16 +280,16 @@ class HotCompaction:
     def _shared_hot_blocks(self, rows: list[RowLayout]) -> set[int]:
         """Hot blocks of live sequences that more than one bank table holds."""
         index = self.index
-        return {b for row in rows for b in row.block_ids if index.get(b).ref_count > 1}
+        return {b for row in rows for b in row.block_ids if b in index and index.get(b).ref_count > 1}
 
 
 @dataclass(frozen=True)
 class _Stuck:
     """What a compaction plan that found nothing to do saw."""
 
-    layout_key: object
+    layout_key: object  # layout events and the index's placement version: no block moved or went
     given_up: frozenset
-    needy: frozenset  # sequences in need of repair
+    needy: frozenset  # the rows in need of repair
     room: tuple[int, int]  # free hot slots, largest free run
     pinned: frozenset
     busy: frozenset  # chats left alone while they step

@@ -214,7 +214,8 @@ class Mover:
         A plan may find work again once a block turns idle (`idle_outlook`), or, after tier use
         changed or `_recheck_steps` steps passed (scores move with steps), while a tier is over
         its high watermark, an idle block found no room, or (ALI) a step lately read blocks
-        outside hot while a tier above them is under its low watermark."""
+        outside hot (or pushed some down) while a tier above them is under its low watermark;
+        and once blocks whose move failed may be tried again."""
         quiet = self._quiet
         if quiet is None:
             return True
@@ -225,6 +226,8 @@ class Mover:
         state, now = store.state, store.access_log.now
         if quiet.idle_step is not None and now >= quiet.idle_step:
             return True
+        if self._failed_until and min(self._failed_until.values()) <= time.monotonic():
+            return True  # blocks whose move failed may be tried again
         free = tuple(state.free_slots())
         if free == quiet.free_slots and now - quiet.step < self._recheck_steps:
             return False

@@ -124,7 +124,10 @@ class Opening:
         for tier, count in counts.items():
             store.metrics.hits.inc((TIER_NAMES[tier],), count)
         if store.mover is not None:
-            store.mover.step_started(request.owner, read_lower_tiers=any(t != HOT for t in counts))
+            # a step that reads history outside hot, or pushed blocks down to make room: ALI may
+            # want blocks up again (read lately, now below hot)
+            moved_down = any(m.dst_tier > m.src_tier for m in build.result.committed)
+            store.mover.step_started(request.owner, read_lower_tiers=moved_down or any(t != HOT for t in counts))
         state.pin_more(request.owner, allocated)
         build.handed_over = True
         lease = StepLease(self, request, rows, build.result.committed, reads_host(rows), index.placement_version)
@@ -227,8 +230,7 @@ class _Build:
             self.allocated += copies
             for r, tail, copy in zip(rows, tails, copies):
                 self.tail_copies[r] = (tail, copy)
-            store.compaction.note_layout_change(self.request.owner)
-            return
+            return  # (the copies join the chat's rows at its step: compaction.note_step)
 
     def allocate_new_blocks(self) -> None:
         request, store = self.request, self.store
