@@ -225,9 +225,9 @@ class HotCompaction:
             return None
         pinned = self.state.pinned_now()
         # nothing can be repaired when last time found nothing with the same layout and given-up
-        # sequences, and no fewer sequences in need, no less room, no more pins or busy chats
-        stuck = _Stuck((self._rows_key, self.index.placement_version), frozenset(self._given_up), frozenset(needy),
-                       (pool.num_free, pool.largest_free_run()), frozenset(pinned), frozenset(busy))
+        # sequences, and no other rows in need, no slot freed since, no fewer pins or busy chats
+        stuck = _Stuck(self._rows_key, frozenset(self._given_up), frozenset(needy), pool.occupancy(),
+                       frozenset(pinned), frozenset(busy))
         if self._stuck is not None and self._stuck.covers(stuck):
             return None
         rows = self._row_layouts()
@@ -287,16 +287,18 @@ class HotCompaction:
 class _Stuck:
     """What a compaction plan that found nothing to do saw."""
 
-    layout_key: object  # layout events and the index's placement version: no block moved or went
+    layout_key: object
     given_up: frozenset
-    needy: frozenset  # the rows in need of repair
-    room: tuple[int, int]  # free hot slots, largest free run
+    needy: frozenset  # the rows in need of repair (their blocks and slots)
+    in_use: bytes  # the hot pool's occupancy
     pinned: frozenset
     busy: frozenset  # chats left alone while they step
 
     def covers(self, now: "_Stuck") -> bool:
-        """`now` can repair nothing either: fewer candidates, less room, more blocks fixed."""
-        return now.layout_key == self.layout_key and now.given_up == self.given_up and now.needy <= self.needy \
-            and now.room[0] <= self.room[0] and now.room[1] <= self.room[1] and now.pinned >= self.pinned \
-            and now.busy >= self.busy
-
+        """`now` can repair nothing either: no other row in need, no slot free that was in use
+        then (blocks may have come in, none left), no block that may move that was fixed then."""
+        if not (now.layout_key == self.layout_key and now.given_up == self.given_up and now.needy <= self.needy
+                and now.pinned >= self.pinned and now.busy >= self.busy and len(now.in_use) == len(self.in_use)):
+            return False
+        then_used = np.frombuffer(self.in_use, dtype=np.uint8)
+        return not np.any(then_used > np.frombuffer(now.in_use, dtype=np.uint8))
