@@ -8,6 +8,7 @@ millisecond. Before the fix every wake re-read every chat (rows per step ~ chats
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -17,7 +18,6 @@ import tiered_kv
 import tiered_kv.store.compaction as store_compaction
 from helpers import greedy, rand_ids, reference, tiny_model
 from tiered_kv.scheduler import HOT
-from tiered_kv.scheduler.mem_scheduler import MemScheduler
 
 BLOCK = 4
 NUM_IDLE = 60
@@ -25,28 +25,38 @@ DECODE_STEPS = 24
 
 
 class Counts:
-    """Wraps the planners and the compactor's row layouts with call counters."""
+    """Counts, for one store only (other tests' stores may still be alive in this process), the
+    rows its compactor lays out, its compaction plans and its background plans."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, store):
         self.rows = self.compaction_plans = self.background_plans = 0
+        mine = threading.local()
         row_layout, plan_compaction = store_compaction.RowLayout, store_compaction.plan_compaction
-        plan_background = MemScheduler.plan_background
+        compaction_plan, plan_background = store.compaction.plan, store.scheduler.plan_background
 
         def counted_row(*args, **kwargs):
-            self.rows += 1
+            self.rows += getattr(mine, "on", False)
             return row_layout(*args, **kwargs)
 
         def counted_compaction(*args, **kwargs):
-            self.compaction_plans += 1
+            self.compaction_plans += getattr(mine, "on", False)
             return plan_compaction(*args, **kwargs)
 
-        def counted_background(scheduler, *args, **kwargs):
+        def our_plan(*args, **kwargs):
+            mine.on = True
+            try:
+                return compaction_plan(*args, **kwargs)
+            finally:
+                mine.on = False
+
+        def counted_background(*args, **kwargs):
             self.background_plans += 1
-            return plan_background(scheduler, *args, **kwargs)
+            return plan_background(*args, **kwargs)
 
         monkeypatch.setattr(store_compaction, "RowLayout", counted_row)
         monkeypatch.setattr(store_compaction, "plan_compaction", counted_compaction)
-        monkeypatch.setattr(MemScheduler, "plan_background", counted_background)
+        monkeypatch.setattr(store.compaction, "plan", our_plan)
+        monkeypatch.setattr(store.scheduler, "plan_background", counted_background)
 
     def snapshot(self) -> tuple[int, int, int]:
         return self.rows, self.compaction_plans, self.background_plans
@@ -77,7 +87,7 @@ def test_a_decoding_chat_beside_idle_fragmented_chats_costs_the_mover_o_of_what_
     busy = tiered_kv.CacheBank(model, config, store=store)
     prompt = rand_ids(7, 6 * BLOCK)
     assert store.wait_for_background(60)  # compaction did what it could (or gave up)
-    counts = Counts(monkeypatch)
+    counts = Counts(monkeypatch, store)
     time.sleep(0.05)  # the mover wakes ~50 times with nothing new
     quiet = counts.snapshot()
     out = greedy(model, prompt, busy, DECODE_STEPS)

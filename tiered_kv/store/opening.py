@@ -150,7 +150,14 @@ class Opening:
         return state.placements(table)
 
     def forget(self, owner: int) -> None:
+        """The chat's bank closed or was collected (store lock held): its access history, rows
+        and requests describe no live chat any more."""
+        store = self.store
         self.owners.pop(owner, None)
+        store.access_log.forget_chat(owner)
+        store.compaction.forget(owner)
+        if store.mover is not None:
+            store.mover.drop_requests(owner)
 
     # ---- what a lease asks of the store ----------------------------------------------------------
     @property

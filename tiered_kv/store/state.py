@@ -72,6 +72,7 @@ class StoreState:
         self._quarantined: list[tuple[int, int, int]] = []  # (block, tier, slot) of pinned corrupt blocks
         self._released_later: deque = deque()  # (block ids, step owner) of banks the collector took
         self._drop_warnings = Throttle(log)
+        self.on_collected = None  # called with a collected bank's owner at drain (the store forgets the chat)
 
     def bind(self, tiers: list, pools: list[SlotPool]) -> None:
         self.tiers, self.pools = tiers, pools
@@ -181,6 +182,8 @@ class StoreState:
                 lease.ended = True  # its bank is gone: nobody can end it any more
             self.unpin(owner)
             self.release(block_ids)
+            if self.on_collected is not None:
+                self.on_collected(owner)
             self.changes.bump()
 
     @property

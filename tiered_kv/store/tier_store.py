@@ -87,6 +87,7 @@ class TierStore:
         self.lock = StoreLock()
         self.metrics = Metrics(self.config.metrics.enabled)
         self.state = StoreState(self.metrics)
+        self.state.on_collected = lambda owner: self.opening.forget(owner)  # a bank the collector took
         settings = self.config.scheduler
         self.access_log = AccessLog(settings.ali_window, settings.default_cost_sensitivity)
         self.scheduler = MemScheduler(settings, self.access_log)
@@ -317,11 +318,7 @@ class TierStore:
     def forget_chat(self, owner: int) -> None:
         """A bank closed: its access history no longer describes a live chat."""
         with self.lock:
-            self.access_log.forget_chat(owner)
             self.opening.forget(owner)
-            self.compaction.forget(owner)
-            if self.mover is not None:
-                self.mover.drop_requests(owner)
 
     def wait_for_background(self, timeout_s: float = 30.0) -> bool:
         """Wait until the mover has no prefetch request, no batch in flight and no compaction to
