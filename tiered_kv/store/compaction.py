@@ -8,9 +8,10 @@ The mover carries its plans out like any other background move (transfers.py).
 Cheap when nothing changed (the mover asks every interval, whatever the number of chats): the
 rows (each live chat's hot blocks in token order, and their slots) are kept, and laid out again
 only for the chats whose rows may have changed: a chat that began a step (its tables grew), a
-chat with a block whose hot placement changed (a move committed, a crop or release freeing it:
-`BlockIndex.take_hot_changes`), or all of them after a layout event (a bank taking up blocks it
-did not allocate: attach, deepcopy, a prefix lookup) or a change to a block several chats share.
+chat any of whose table's blocks changed hot placement (a move committed, a crop or release
+freeing it: `BlockIndex.take_hot_changes`; a shared block names every chat that holds it), or all
+of them after a layout event (a bank taking up blocks it did not allocate: attach, deepcopy, a
+prefix lookup).
 Only rows not in one run of slots are looked at to decide there is nothing to do; the policy runs
 only when a sequence needs repair, its chat is not busy stepping, and the last plan that found
 nothing (`_Stuck`) does not cover what is there now.
@@ -202,7 +203,7 @@ class HotCompaction:
 
         Cheap when nothing changed (the mover asks every interval): O(rows of the chats that
         stepped) while no block moved, and O(rows not in one run) to find that none of them can
-        be repaired now. A chat that began a step in the last BUSY_S is left alone. A sequence
+        be repaired now. A chat that is busy stepping (see BUSY_S) is left alone. A sequence
         whose repair has taken more moves than `_repair_budget` without making it contiguous is
         given up (so compaction can never churn forever) until the hot pool has more free slots
         than then, or the set of chats changes."""
