@@ -106,6 +106,29 @@ class BlockIndex:
         self.placement_version += 1
         self.order_version += 1
 
+    def move_many(self, block_ids: list[int], tier: int, slots: list[int]) -> None:
+        """`move` for a batch landing in one tier (block_ids[i] to slots[i]; none corrupt), the
+        versions bumped once."""
+        entries, clock, recency = self._entries, self.clock, self._recency
+        arrive, cached = recency[tier], self._unreferenced[tier]
+        touched_hot = []
+        for block_id, slot in zip(block_ids, slots):
+            entry = entries[block_id]
+            if entry.tier == HOT or tier == HOT:
+                touched_hot.append(block_id)
+            del recency[entry.tier][block_id]
+            if entry.ref_count == 0:
+                self._unreferenced[entry.tier].pop(block_id, None)
+                cached[block_id] = None
+            entry.tier, entry.slot, entry.arrived_at = tier, slot, clock
+            arrive[block_id] = None
+        if touched_hot and self._hot_changes is not None:
+            self._hot_changes.extend(touched_hot)
+            if len(self._hot_changes) > MAX_HOT_CHANGES_KEPT:
+                self._hot_changes = None
+        self.placement_version += 1
+        self.order_version += 1
+
     def relocate(self, block_id: int, slot: int) -> None:
         """The block's data moved to another slot of the same tier (compaction): its place in
         every order stays, only placements change."""
@@ -143,6 +166,10 @@ class BlockIndex:
 
     def get(self, block_id: int) -> BlockEntry:
         return self._entry(block_id)
+
+    def peek(self, block_id: int) -> BlockEntry | None:
+        """The block's entry, or None when it is not in the index."""
+        return self._entries.get(block_id)
 
     def recency(self, tier: int):
         """Block ids of `tier`, least recently used first (a live view: do not mutate while iterating)."""

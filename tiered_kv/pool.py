@@ -150,16 +150,19 @@ class SlotPool:
 
     def free(self, slots: list[int]) -> None:
         """Return slots to the pool (the last one given is the first handed out again)."""
-        seen = set()
+        in_use, num_slots = self._in_use, self.num_slots
         for slot in slots:  # validate all first: a bad call frees nothing
-            if not 0 <= slot < self.num_slots:
-                raise ValueError(f"{self.name}: slot {slot} is out of range 0..{self.num_slots - 1}")
-            if not self._in_use[slot] or slot in seen:
+            if not 0 <= slot < num_slots:
+                raise ValueError(f"{self.name}: slot {slot} is out of range 0..{num_slots - 1}")
+            if not in_use[slot]:
                 raise ValueError(f"{self.name}: double free of slot {slot}")
-            seen.add(slot)
+        if len(slots) > 1 and len(set(slots)) != len(slots):
+            seen: set[int] = set()
+            twice = next(slot for slot in slots if slot in seen or seen.add(slot))
+            raise ValueError(f"{self.name}: double free of slot {twice}")
         for slot in slots:
-            self._in_use[slot] = 0
-            self._free_stack.append(slot)
+            in_use[slot] = 0
+        self._free_stack.extend(slots)
         self._num_free += len(slots)
         self.version += 1
         if len(self._free_stack) > 2 * self.num_slots + 64:  # mostly stale entries: rebuild once

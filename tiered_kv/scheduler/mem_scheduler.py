@@ -100,9 +100,11 @@ class _Simulation:
         self._droppable: list[Iterable[int] | None] = [None] * NUM_TIERS
 
     def tier(self, block_id: int) -> int:
-        if block_id in self.tier_of:
-            return self.tier_of[block_id]
-        return self.index.get(block_id).tier if block_id in self.index else DROPPED
+        tier = self.tier_of.get(block_id)
+        if tier is not None:
+            return tier
+        entry = self.index.peek(block_id)
+        return entry.tier if entry is not None else DROPPED
 
     def _still_here(self, block_id: int, tier: int) -> bool:
         return self.tier(block_id) == tier and self.is_movable(block_id)

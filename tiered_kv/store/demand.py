@@ -70,6 +70,8 @@ class DemandMoves:
                     break  # nothing can move now
             self.run_batch(batch)
             result.add(batch)
+            if len(batch.committed) + batch.num_evictions == len(plan.moves):
+                break  # every move of the plan landed: planning again would find none
         return result
 
     def run_batch(self, batch: TransferBatch) -> None:

@@ -67,7 +67,7 @@ class StoreState:
         self._pins: dict[int, tuple[set[int], set[int]]] = {}  # owner -> (its block set, blocks added since)
         self.leases: dict[int, object] = {}  # owner -> its StepLease while the step runs (leases.py)
         self.in_flight: dict[int, object] = {}  # block id -> the Transfer copying it (transfers.py)
-        self._deferred_frees: list[tuple[int, int, tuple[CopyEvent, ...]]] = []  # (tier, slot, fences)
+        self._deferred_frees: list[tuple[int, list[int], tuple[CopyEvent, ...]]] = []  # (tier, slots, fences)
         self.host_fences: list[CopyEvent] = []  # compute work that may still read warm slots (CUDA)
         self._quarantined: list[tuple[int, int, int]] = []  # (block, tier, slot) of pinned corrupt blocks
         self._released_later: deque = deque()  # (block ids, step owner) of banks the collector took
@@ -116,12 +116,14 @@ class StoreState:
         return any(other != owner for other in self._pins)
 
     def is_pinned_by_step(self, block_id: int, except_owner: int | None = None) -> bool:
+        if not self._pins:
+            return False
         return any(block_id in blocks or block_id in extra for owner, (blocks, extra) in self._pins.items()
                    if owner != except_owner)
 
     def is_pinned(self, block_id: int) -> bool:
         """A running step uses the block or a transfer copies it: no plan may move or drop it."""
-        return block_id in self.in_flight or self.is_pinned_by_step(block_id)
+        return block_id in self.in_flight or (bool(self._pins) and self.is_pinned_by_step(block_id))
 
     def movable_by(self, owner: int | None, protect: frozenset[int] = frozenset()):
         """A plan's predicate of blocks it must leave alone, for a plan made for `owner`'s step:
@@ -145,33 +147,39 @@ class StoreState:
     # ---- freeing ---------------------------------------------------------------------------------
     def free_slot(self, tier: int, slot: int, after: CopyEvent | None = None) -> None:
         """Give a slot back, once `after` (a copy that may still use it) has passed."""
+        self.free_slots_after(tier, [slot], after)
+
+    def free_slots_after(self, tier: int, slots: list[int], after: CopyEvent | None = None) -> None:
+        """Give slots of one tier back together, once `after` has passed (a batch's sources)."""
+        if not slots:
+            return
         fences = (after,) if after is not None else ()
         if tier == WARM and self.host_fences:
             self.host_fences = [f for f in self.host_fences if not f.done()]
             fences += tuple(self.host_fences)
         if all(f.done() for f in fences):
-            self._free_now(tier, slot)
+            self._free_now(tier, slots)
         else:
-            self._deferred_frees.append((tier, slot, fences))
+            self._deferred_frees.append((tier, list(slots), fences))
 
     def add_host_fence(self, fence: CopyEvent) -> None:
         """Compute queued so far may still read warm slots (a step read host memory on the device)."""
         self.host_fences = [f for f in self.host_fences if not f.done()] + [fence]
 
-    def _free_now(self, tier: int, slot: int) -> None:
-        self.pools[tier].free([slot])
+    def _free_now(self, tier: int, slots: list[int]) -> None:
+        self.pools[tier].free(slots)
         if tier == COLD and self.tiers[COLD] is not None:  # (None once the store closed)
-            self.tiers[COLD].forget([slot])
+            self.tiers[COLD].forget(slots)
 
     def drain(self) -> None:
         """Free the deferred slots whose copies passed; release what collected banks left."""
         if self._deferred_frees:
             waiting = []
-            for tier, slot, fences in self._deferred_frees:
+            for tier, slots, fences in self._deferred_frees:
                 if all(f.done() for f in fences):
-                    self._free_now(tier, slot)
+                    self._free_now(tier, slots)
                 else:
-                    waiting.append((tier, slot, fences))
+                    waiting.append((tier, slots, fences))
             if len(waiting) < len(self._deferred_frees):
                 self.changes.bump()  # room came free: a step waiting for it tries again
             self._deferred_frees = waiting
@@ -188,7 +196,7 @@ class StoreState:
 
     @property
     def num_deferred_frees(self) -> int:
-        return len(self._deferred_frees)
+        return sum(len(slots) for _, slots, _ in self._deferred_frees)
 
     def release_later(self, block_ids: list[int], owner: int) -> None:
         """For a bank the garbage collector took (maybe while this very thread holds the store
@@ -286,7 +294,7 @@ class StoreState:
         in_flight_dst = {(t.dst_tier, t.dst_slot) for t in self.in_flight.values()}
         problems += [f"block {b} is still in flight in a batch that completed" for b, t in self.in_flight.items()
                      if t.batch.completed]
-        deferred = {(tier, slot) for tier, slot, _ in self._deferred_frees}
+        deferred = {(tier, slot) for tier, slots, _ in self._deferred_frees for slot in slots}
         quarantined = self.quarantined_slots()
         for tier, pool in enumerate(self.pools):
             owned: dict[int, int] = {}

@@ -26,65 +26,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
-from ..blocks import DROPPED, HOT, TIER_NAMES
+from ..block_index import BlockEntry
+from ..blocks import COLD, DROPPED, HOT, TIER_NAMES
 from ..hw.copy_engine import CopyEvent
 from ..logs import Throttle, error_name
 from ..metrics.registry import BACKGROUND, Metrics
 from ..scheduler import Move
 from . import copies
+from .batches import Transfer, TransferBatch
 from .copies import COPY, MOVE, READ_OUT, WRITE_IN
 from .state import StoreState
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(eq=False)
-class Transfer:
-    """One block's copy. A move takes the block to (dst_tier, dst_slot); a copy fills a new block
-    (`block_id`, already at its destination) from another block's slot; a read-out copies a block
-    into host memory (`out`); a write-in fills a new block from host bytes (`data`)."""
-
-    block_id: int
-    src_tier: int
-    src_slot: int
-    dst_tier: int
-    dst_slot: int
-    batch: "TransferBatch"
-    kind: str = MOVE
-    data: object = None  # write-in: the block's bytes (a host tensor); read-out: the host tensor filled
-    cancelled: bool = False  # a step began to use the block where it was, or it was freed
-    corrupt: bool = False  # the source failed its checksum on the way
-    src_block: int | None = None  # a copy: the block copied from
-
-
-@dataclass(eq=False)
-class TransferBatch:
-    mode: str  # metrics.registry.ON_DEMAND | BACKGROUND
-    transfers: list[Transfer] = field(default_factory=list)
-    event: CopyEvent | None = None
-    error: BaseException | None = None  # raised by launch (or recorded by the engine on the event)
-    frees: list[tuple[int, int]] = field(default_factory=list)  # slots to free once the copies are done
-    num_evictions: int = 0
-    started_s: float = 0.0
-    quiet: bool = False  # the caller reports a failure itself (the moves to cold at close)
-    # filled by complete():
-    committed: list[Move] = field(default_factory=list)
-    corrupt: list[int] = field(default_factory=list)
-    failed: list[Transfer] = field(default_factory=list)
-    completed: bool = False
-
-    @property
-    def failure(self) -> BaseException | None:
-        if self.error is not None:
-            return self.error
-        return self.event.error if self.event is not None else None
-
-    def wait(self) -> None:
-        """Until the batch's copies are done (no store lock may be held)."""
-        if self.event is not None:
-            self.event.wait()
+RUNS_FROM_BLOCKS = 8  # a batch of this many moves into warm takes its slots in runs (into hot: 2)
 
 
 class Transfers:
@@ -102,36 +58,48 @@ class Transfers:
     def prepare(self, moves: list[Move], mode: str, movable=None) -> TransferBatch:
         """A batch of the `moves` that can go now: each block still where the move says, not in
         flight, allowed by `movable` (a plan's predicate of blocks to leave alone), and with a free
-        destination slot. The others wait for a later batch, planned afresh."""
-        state, index = self.state, self.state.index
+        destination slot (the first moves in plan order get them). The others wait for a later
+        batch, planned afresh. Destination slots are taken per tier at once, in as few runs as
+        the pool allows, so that a chat's blocks copy as a few large runs (see `_reserve_runs`)."""
+        state, index, in_flight = self.state, self.state.index, self.state.in_flight
         batch = TransferBatch(mode)
         if self.closed:  # a caller still running while its store closed: nothing moves any more
             return batch
-        hot_run = self._hot_run([m for m in moves if m.dst_tier == HOT and m.dst_slot is None])
         taken: set[int] = set()
-        for move in moves:
-            block_id = move.block_id
-            if block_id in taken or block_id not in index or block_id in state.in_flight \
-                    or (movable is not None and movable(block_id)):
+        wanted: dict[int, list] = {}  # destination tier -> [(block id, entry)] in plan order
+        placed: list[tuple[int, BlockEntry, int, int]] = []  # compaction: (block, entry, tier, slot)
+        peek = index.peek
+        for block_id, src_tier, dst_tier, dst_slot in moves:
+            if block_id in taken or block_id in in_flight or (movable is not None and movable(block_id)):
                 continue
-            entry = index.get(block_id)
-            if entry.tier != move.src_tier:
+            entry = peek(block_id)
+            if entry is None or entry.tier != src_tier:
                 continue
-            if move.dst_tier == DROPPED:
+            taken.add(block_id)
+            if dst_tier == DROPPED:
                 if entry.ref_count == 0:
                     state.evict(block_id)
                     batch.num_evictions += 1
-                    taken.add(block_id)
-                continue
-            slot = hot_run.pop(block_id, None) if move.dst_tier == HOT else None
-            if slot is None:
-                slot = self._reserve(move.dst_tier, move.dst_slot)
-            if slot is None:
-                continue
-            self._add(batch, Transfer(block_id, entry.tier, entry.slot, move.dst_tier, slot, batch))
-            taken.add(block_id)
-        if hot_run:
-            state.pools[HOT].free(list(hot_run.values()))
+            elif dst_slot is not None:
+                placed.append((block_id, entry, dst_tier, dst_slot))
+            else:
+                group = wanted.get(dst_tier)
+                if group is None:
+                    group = wanted[dst_tier] = []
+                group.append((block_id, entry.tier, entry.slot))
+        transfers = batch.transfers
+        for block_id, entry, tier, slot in placed:
+            if self._reserve(tier, slot):
+                transfers.append(Transfer(block_id, entry.tier, entry.slot, tier, slot, batch))
+        for tier, group in wanted.items():
+            group = group[:state.pools[tier].num_free]
+            # hot: in token order (a chat's ids grow with its tokens; attention reads one slice);
+            # below: in source order, so that both sides of the copy advance together
+            group.sort(key=(lambda item: item[0]) if tier == HOT else (lambda item: (item[1], item[2])))
+            transfers += [Transfer(block_id, src_tier, src_slot, tier, slot, batch) for (block_id, src_tier, src_slot),
+                          slot in zip(group, self._reserve_runs(tier, len(group)))]
+        for t in transfers:
+            in_flight[t.block_id] = t
         state.report_evictions(batch.num_evictions, "the background mover" if mode == BACKGROUND else "a plan")
         return batch
 
@@ -163,24 +131,21 @@ class Transfers:
         self.state.in_flight[transfer.block_id] = transfer
         batch.transfers.append(transfer)
 
-    def _reserve(self, tier: int, slot: int | None) -> int | None:
+    def _reserve(self, tier: int, slot: int) -> bool:
         pool = self.state.pools[tier]
-        if slot is None:
-            return (pool.allocate(1) or [None])[0]
         if 0 <= slot < pool.num_slots and not pool.is_used(slot):
             pool.take([slot])
-            return slot
-        return None
+            return True
+        return False
 
-    def _hot_run(self, into_hot: list[Move]) -> dict[int, int]:
-        """Consecutive hot slots for moves into hot, in ascending block id order (a chat's blocks
-        were allocated in token order: they land in token order, and attention reads them as one
-        slice), when hot has a free run for all of them."""
-        pool = self.state.pools[HOT] if self.state.pools else None
-        if pool is None or len(into_hot) < 2 or len(into_hot) > pool.num_free:
-            return {}
-        slots = pool.allocate_run(len(into_hot))
-        return dict(zip(sorted(m.block_id for m in into_hot), slots)) if slots is not None else {}
+    def _reserve_runs(self, tier: int, num_slots: int) -> list[int]:
+        """`num_slots` free slots of `tier` (the caller checked there are): in hot and warm as few
+        consecutive runs as the pool has (one, when a free run is long enough), in cold the
+        pool's order (a file slot's place matters little; its pool can be very large)."""
+        pool = self.state.pools[tier]
+        if tier == COLD or num_slots < (2 if tier == HOT else RUNS_FROM_BLOCKS):
+            return pool.allocate(num_slots) or []
+        return pool.allocate_run(num_slots) or pool.allocate_runs(num_slots) or []
 
     # ---- launch (no lock) ----------------------------------------------------------------------
     def launch(self, batch: TransferBatch) -> None:
@@ -217,65 +182,88 @@ class Transfers:
 
     # ---- complete (store lock held) ------------------------------------------------------------
     def complete(self, batch: TransferBatch) -> None:
-        """Commit what copied without error; give back what did not (see the module docstring)."""
+        """Commit what copied without error; give back what did not (see the module docstring).
+        The bookkeeping is per batch: one index update, one free and one count per direction."""
         if batch.completed:
             return
         batch.completed = True
-        state, index, event = self.state, self.state.index, batch.event
+        state, index, in_flight, event = self.state, self.state.index, self.state.in_flight, batch.event
         error = batch.failure
-        landed_bytes: dict[tuple[int, int], int] = {}
+        landed: dict[tuple[int, int], int] = {}  # (src, dst) -> blocks whose bytes landed
+        commits: dict[tuple[int, int], tuple[list, list, list]] = {}  # -> (blocks, dst slots, src slots)
+        given_back: dict[int, list[int]] = {}  # tier -> reserved slots no block took
         for t in batch.transfers:
-            if t.kind == READ_OUT:
+            if t.kind != MOVE:
+                if t.kind != READ_OUT:
+                    self._complete_fill(t, batch, error, landed)
                 continue
-            if t.kind in (COPY, WRITE_IN):  # the new block is at its destination already
-                if t.corrupt and error is None and t.src_block in index:  # the source's bytes are bad
-                    state.mark_corrupt(t.src_block)
-                    batch.corrupt.append(t.src_block)
-                if error is not None and not t.cancelled:
-                    batch.failed.append(t)  # its bytes never landed: the block goes, never served
-                    state.free_block(t.block_id)  # (in flight still: its slot waits for the event)
-                elif t.kind == COPY and not t.cancelled and t.src_tier != t.dst_tier:
-                    landed_bytes[(t.src_tier, t.dst_tier)] = landed_bytes.get((t.src_tier, t.dst_tier), 0) + 1
-                if state.in_flight.get(t.block_id) is t:
-                    del state.in_flight[t.block_id]
-                continue
-            if state.in_flight.get(t.block_id) is t:
-                del state.in_flight[t.block_id]
-            entry = index.get(t.block_id) if t.block_id in index else None
+            block_id = t.block_id
+            if in_flight.get(block_id) is t:
+                del in_flight[block_id]
+            entry = index.peek(block_id)
             still_there = entry is not None and entry.tier == t.src_tier and entry.slot == t.src_slot
-            if error is not None or t.cancelled or not still_there or t.corrupt:
-                state.free_slot(t.dst_tier, t.dst_slot, after=event)
-                if error is not None:
-                    batch.failed.append(t)
-                elif t.corrupt and still_there and not t.cancelled:
-                    state.mark_corrupt(t.block_id)
-                    batch.corrupt.append(t.block_id)
+            if error is None and still_there and not t.cancelled and not t.corrupt:
+                group = commits.get((t.src_tier, t.dst_tier))
+                if group is None:
+                    group = commits[(t.src_tier, t.dst_tier)] = ([], [], [])
+                group[0].append(block_id)
+                group[1].append(t.dst_slot)
+                group[2].append(t.src_slot)
+                batch.committed.append(Move(block_id, t.src_tier, t.dst_tier))
                 continue
-            self._commit_move(t, event)
-            batch.committed.append(Move(t.block_id, t.src_tier, t.dst_tier))
-            if t.src_tier != t.dst_tier:
-                landed_bytes[(t.src_tier, t.dst_tier)] = landed_bytes.get((t.src_tier, t.dst_tier), 0) + 1
+            given_back.setdefault(t.dst_tier, []).append(t.dst_slot)
+            if error is not None:
+                batch.failed.append(t)
+            elif t.corrupt and still_there and not t.cancelled:
+                state.mark_corrupt(block_id)
+                batch.corrupt.append(block_id)
+        for (src, dst), (block_ids, dst_slots, src_slots) in commits.items():
+            self._commit_moves(src, dst, block_ids, dst_slots, src_slots, event)
+            if src != dst:
+                landed[(src, dst)] = landed.get((src, dst), 0) + len(block_ids)
         for tier, slot in batch.frees:
-            state.free_slot(tier, slot, after=event)
+            given_back.setdefault(tier, []).append(slot)
         batch.frees.clear()
-        for (src, dst), count in landed_bytes.items():
+        for tier, slots in given_back.items():
+            state.free_slots_after(tier, slots, after=event)
+        for (src, dst), count in landed.items():
             self._count_bytes(src, dst, count * self.block_bytes, batch.mode)
-        self._observe_copy_seconds(batch, landed_bytes)
+        self._observe_copy_seconds(batch, landed)
         if error is not None and batch.failed:
             self._report_failure(batch, error)
         state.changes.bump()
 
-    def _commit_move(self, t: Transfer, event: CopyEvent | None) -> None:
-        state, metrics = self.state, self.metrics
-        if t.src_tier == t.dst_tier:  # compaction: the block keeps its place in the tier's orders
-            state.index.relocate(t.block_id, t.dst_slot)
-            metrics.relocations.inc()
+    def _complete_fill(self, t: Transfer, batch: TransferBatch, error, landed: dict) -> None:
+        """A copy-on-write or write-in: the new block is at its destination already."""
+        state, index = self.state, self.state.index
+        if t.corrupt and error is None and t.src_block in index:  # the source's bytes are bad
+            state.mark_corrupt(t.src_block)
+            batch.corrupt.append(t.src_block)
+        if error is not None and not t.cancelled:
+            batch.failed.append(t)  # its bytes never landed: the block goes, never served
+            state.free_block(t.block_id)  # (in flight still: its slot waits for the event)
+        elif t.kind == COPY and not t.cancelled and t.src_tier != t.dst_tier:
+            landed[(t.src_tier, t.dst_tier)] = landed.get((t.src_tier, t.dst_tier), 0) + 1
+        if state.in_flight.get(t.block_id) is t:
+            del state.in_flight[t.block_id]
+
+    def _commit_moves(self, src: int, dst: int, block_ids: list[int], dst_slots: list[int], src_slots: list[int],
+                      event: CopyEvent | None) -> None:
+        """The blocks live at their destinations from now on; their source slots are freed once
+        the event has passed."""
+        state, metrics, count = self.state, self.metrics, len(block_ids)
+        if src == dst:  # compaction: each block keeps its place in the tier's orders
+            for block_id, slot in zip(block_ids, dst_slots):
+                state.index.relocate(block_id, slot)
+            metrics.relocations.inc((), count)
         else:
-            state.index.move(t.block_id, t.dst_tier, t.dst_slot)
-            metrics.blocks_moved.inc((TIER_NAMES[t.src_tier], TIER_NAMES[t.dst_tier]))
-            (metrics.demotions if t.dst_tier > t.src_tier else metrics.promotions).inc()
-            state.persist_if_published(t.block_id)
-        state.free_slot(t.src_tier, t.src_slot, after=event)
+            state.index.move_many(block_ids, dst, dst_slots)
+            metrics.blocks_moved.inc((TIER_NAMES[src], TIER_NAMES[dst]), count)
+            (metrics.demotions if dst > src else metrics.promotions).inc((), count)
+            if dst == COLD:
+                for block_id in block_ids:
+                    state.persist_if_published(block_id)
+        state.free_slots_after(src, src_slots, after=event)
 
     def _count_bytes(self, src_tier: int, dst_tier: int, num_bytes: int, mode: str) -> None:
         self.metrics.bytes_moved.inc((TIER_NAMES[src_tier], TIER_NAMES[dst_tier], mode), num_bytes)
