@@ -29,10 +29,13 @@ def tiny_model(arch: str):
     return model
 
 
-def tier_config(kind: str, cold_dir, block_size: int = BLOCK_SIZE, engine: str = "auto", delay_us: int = 0) -> dict:
+def tier_config(kind: str, cold_dir, block_size: int = BLOCK_SIZE, engine: str = "auto", delay_us: int = 0,
+                warm_layout: str | None = None) -> dict:
     """all_hot: everything fits in hot. forces_warm: hot smaller than one turn.
     forces_cold: hot+warm smaller than the conversation. `engine` "thread" runs every copy later,
-    on the asynchronous CPU copy engine (after `delay_us` each): the GPU's ordering rules on CPU."""
+    on the asynchronous CPU copy engine (after `delay_us` each): the GPU's ordering rules on CPU;
+    with it warm keeps a GPU store's layout too (records), unless `warm_layout` says otherwise
+    (the default engine gets the CPU's: paged, read in place)."""
     sizes = {
         "all_hot": (256, 0, 0),
         "forces_warm": (2, 256, 0),
@@ -41,7 +44,8 @@ def tier_config(kind: str, cold_dir, block_size: int = BLOCK_SIZE, engine: str =
     return {
         "block_size": block_size,
         "hot": {"device": "cpu", "capacity_blocks": sizes[0]},
-        "warm": {"capacity_blocks": sizes[1]},
+        "warm": {"capacity_blocks": sizes[1],
+                 "layout": warm_layout or ("records" if engine == "thread" else "auto")},
         "cold": {"capacity_blocks": sizes[2], "path": str(cold_dir)},
         "copies": {"engine": engine, **({"delay_us": delay_us} if engine == "thread" else {})},
     }

@@ -155,7 +155,7 @@ def test_to_dict_exact():
     assert cfg.to_dict() == {
         "block_size": 16,
         "hot": {"device": "auto", "capacity_blocks": 8, "high_watermark": 0.9, "low_watermark": 0.8},
-        "warm": {"capacity": 1024, "pinned": "true", "high_watermark": 0.95, "low_watermark": 0.85},
+        "warm": {"capacity": 1024, "pinned": "true", "layout": "auto", "high_watermark": 0.95, "low_watermark": 0.85},
         "cold": {"path": "/tmp/kv", "capacity": 8 * GiB, "backend": "posix", "fsync": False,
                  "high_watermark": 1.0, "low_watermark": 1.0},
         "scheduler": {"policy": "lru", "ali_window": 100, "ali_hot": 0.7, "ali_warm": 0.3, "bs_threshold": 0.8,

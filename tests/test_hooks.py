@@ -101,6 +101,28 @@ def test_merge_logits_match_sdpa_within_float_tolerance(kind, model, tmp_path):
     bank.close()
 
 
+@pytest.mark.parametrize("layout", ("paged", "records"))
+def test_merge_reads_a_paged_warm_run_in_place(layout, model, tmp_path):
+    """A CPU store's warm slab is paged (warm.layout auto): a step whose history spilled to warm
+    reads the warm run as a view of the slab beside the hot one; with records (a GPU's layout)
+    the warm part is gathered.
+    Logits match sdpa either way."""
+    config = {"block_size": 4, "hot": {"device": "cpu", "capacity_blocks": 3},
+              "warm": {"capacity_blocks": 64, "layout": layout}, "cold": {"capacity": 0}}
+    expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(5, 30), 4)
+    bank = tiered_kv.CacheBank(model, config)
+    hooks.install(model, bank, mode="merge")
+    got = _logits_per_step(model, bank, _turn_ids(5, 30), 4)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    counts = bank.stats()["hooks"]
+    if layout == "paged":  # (a step whose hot blocks are not one slice is gathered)
+        assert counts["layers_merged"] > 0 and counts["lower_runs_in_place"] > 0, counts
+    else:
+        assert counts["lower_runs_in_place"] == 0 and counts["layers_gathered"] > 0, counts
+    bank.close()
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", TIER_KINDS)
 @pytest.mark.parametrize("arch", ("llama", "qwen2", "mistral"))
@@ -370,10 +392,25 @@ def test_warm_history_through_the_native_gather_path(model, tmp_path, monkeypatc
     counted = dataclasses.replace(ops, gather_blocks=lambda *a: (calls.append(1), ops.gather_blocks(*a))[1])
     monkeypatch.setattr(kernels, "get_ops", lambda: counted)
     expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(31, 26), 5)
-    bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
+    bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path, warm_layout="records"))  # a GPU's warm
     hooks.install(model, bank)
     got = _logits_per_step(model, bank, _turn_ids(31, 26), 5)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
     assert calls, "the gather kernel's path did not run"
     bank.close()
+
+
+def test_a_part_no_query_sees_weighs_nothing_in_the_merge():
+    """torch's CPU flash kernel gives a query whose keys are all masked lse 0 (not -inf): the
+    merge must still give that part no weight."""
+    from tiered_kv.hooks.attention import attention_with_lse, merge_partials
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    mask = torch.ones(1, 1, 3, 6, dtype=torch.bool)
+    mask[..., 0, 3:] = False  # query 0 sees only the first part's keys
+    whole, _ = attention_with_lse(query, key, value, mask, 0.3)
+    outs, lses = zip(*(attention_with_lse(query, key[:, :, s], value[:, :, s], mask[..., s], 0.3)
+                       for s in (slice(0, 3), slice(3, 6))))
+    assert torch.isinf(lses[1][..., 0]).all()
+    torch.testing.assert_close(merge_partials(list(outs), list(lses)), whole, rtol=1e-5, atol=1e-6)

@@ -34,6 +34,7 @@ __all__ = ["ALLOWED_BACKENDS", "ALLOWED_COPY_ENGINES", "ALLOWED_POLICIES", "Bloc
 ALLOWED_BACKENDS = ("auto", "posix", "kvikio")
 ALLOWED_POLICIES = ("lru", "lfu", "fifo", "ali")
 ALLOWED_PINNED = ("auto", "true", "false")
+ALLOWED_WARM_LAYOUTS = ("auto", "records", "paged")
 ALLOWED_COPY_ENGINES = ("auto", "sync", "thread")
 MAX_COPY_DELAY_US = 1_000_000
 MAX_BLOCK_SIZE_TOKENS = 1024
@@ -176,10 +177,15 @@ class HotConfig(_TierConfig):
 @dataclass(frozen=True, kw_only=True)
 class WarmConfig(_TierConfig):
     """Warm tier: a host-RAM slab. `pinned` "auto" page-locks it only when CUDA exists.
+    `layout`: "records" keeps each block one contiguous record (what DMA to a GPU and the cold
+    tier's files want); "paged" lays it out as the hot tier is (`[L, 2, H, slots * bs, D]`), so
+    attention on the CPU reads a run of warm blocks in place, as a view; "auto": paged when the
+    hot tier is on the CPU, records otherwise.
 
     YAML booleans for `pinned` are normalized to the strings "true" / "false".
     """
     pinned: str = "auto"
+    layout: str = "auto"
 
     SECTION: ClassVar[str] = "warm"
     DEFAULT_CAPACITY_BYTES: ClassVar[int] = 2 * 2**30
@@ -191,6 +197,8 @@ class WarmConfig(_TierConfig):
             object.__setattr__(self, "pinned", "true" if self.pinned else "false")
         if self.pinned not in ALLOWED_PINNED:
             raise _error("warm.pinned", self.pinned, _choices(ALLOWED_PINNED) + " (or a YAML boolean)")
+        if self.layout not in ALLOWED_WARM_LAYOUTS:
+            raise _error("warm.layout", self.layout, _choices(ALLOWED_WARM_LAYOUTS))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -534,7 +542,7 @@ class Config:
 
 _WATERMARK_KEYS = ("high_watermark", "low_watermark")
 _SECTION_KEYS = {"hot": ("device", "capacity", "capacity_blocks", *_WATERMARK_KEYS),
-                 "warm": ("capacity", "capacity_blocks", "pinned", *_WATERMARK_KEYS),
+                 "warm": ("capacity", "capacity_blocks", "pinned", "layout", *_WATERMARK_KEYS),
                  "cold": ("path", "capacity", "capacity_blocks", "backend", "fsync", *_WATERMARK_KEYS),
                  "scheduler": tuple(f.name for f in dataclasses.fields(SchedulerConfig)),
                  "metrics": tuple(f.name for f in dataclasses.fields(MetricsConfig)),

@@ -120,7 +120,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         self.step_observer = None
         self._stream_buffers: StreamBuffers | None = None  # created by the first hooked step
         self._hook_counts = dict.fromkeys(("layers_view", "layers_gathered", "layers_streamed", "layers_merged",
-                                           "layers_paged"), 0)
+                                           "layers_paged", "lower_runs_in_place"), 0)
         if is_model:  # bind now, so attach() finds stored blocks before the first forward pass
             self._bind_store(getattr(model, "dtype", None) or next(model.parameters()).dtype)
 

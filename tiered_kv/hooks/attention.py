@@ -152,7 +152,10 @@ def attention_with_lse(query, key, value, mask, scale: float):
             additive = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, False, attn_mask=additive, scale=scale)
-        return out.float(), lse.float()
+        lse = lse.float()
+        if mask is not None:  # the kernel gives a query that sees none of these keys lse 0, not -inf
+            lse = lse.masked_fill(~mask.any(dim=-1), float("-inf"))
+        return out.float(), lse
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)

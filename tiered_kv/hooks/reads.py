@@ -9,8 +9,9 @@ lease and leaves a per-layer `LayerReads` handle in the model's kwargs; the atte
 - paged (merge mode, one new token per row, blocks in tiers a kernel reads in place: hot, and warm
   when page-locked on CUDA): the native paged decode kernel reads every block where it lies. Such
   a step fetches nothing ahead; should its mask not qualify, its layers are gathered instead;
-- split (merge mode, one row with one hot run holding the new tokens): the hot run as a view, the
-  rest gathered, merged by log-sum-exp;
+- split (merge mode, one row, at most SPLIT_MAX_NEW_TOKENS new tokens, lying in runs that are
+  one slice of a paged slab on the compute device: hot, and warm on a CPU store): those runs as
+  views, the rest gathered, merged by log-sum-exp;
 - otherwise the history is gathered into one of two stream buffers the bank reuses (layer i uses
   buffer i % 2), the new tokens copied from the model's own K/V. When some of it is below hot,
   layer i+2's history is fetched into its buffer by the store's stream worker as soon as layer
@@ -28,6 +29,9 @@ import torch
 
 from ..blocks import COLD, HOT
 
+# merge mode splits decode-sized steps only: a prefill's many queries make the one gather of
+# the exact path cheap beside its compute, and its partial scores (q x keys each) large
+SPLIT_MAX_NEW_TOKENS = 16
 CPU_STREAMING = "auto"  # "auto" | "on" | "off": fetch a layer ahead in a thread on CPU (bench switch)
 
 
@@ -89,7 +93,7 @@ class StepReads:
         if self.is_view:
             return
         self.paged_candidate = self._paged_candidate()
-        if mode == "merge" and self.num_rows == 1:
+        if mode == "merge" and self.num_rows == 1 and lease.num_new_tokens <= SPLIT_MAX_NEW_TOKENS:
             self._split = self._merge_split()
         if self._split is not None:
             self._buffer_shape = (2, 1, self._heads, sum(count for _, count, _ in self._split[1]), self._dim)
@@ -133,14 +137,18 @@ class StepReads:
 
     def parts(self, layer: int):
         """merge mode: `[(K, V, key positions)]` per part, or None when the step is not split:
-        the hot run as a view of the slab, and the rest gathered into a stream buffer."""
+        each run that is one slice of a paged slab (hot; warm on a CPU store) as a view of it,
+        and the rest gathered into a stream buffer."""
         if self._split is None:
             return None
-        hot_positions, gathered = self._split
+        views, gathered = self._split
         self.counts["layers_merged"] += 1
-        hot_run = next(run for run in self.lease.rows[0].read_runs if run.tier == HOT)
-        kv = self.lease.read_run(layer, hot_run)  # a view of the hot slab
-        parts = [(kv[0].unsqueeze(0), kv[1].unsqueeze(0), hot_positions)]
+        parts = []
+        for run in views:
+            kv = self.lease.read_run(layer, run)  # a view of the slab
+            if run.tier != HOT:
+                self.counts["lower_runs_in_place"] += 1
+            parts.append((kv[0].unsqueeze(0), kv[1].unsqueeze(0), run.positions))
         if gathered:
             buffer = self._filled_buffer(layer)
             parts.append((buffer[0], buffer[1], torch.cat([p for _, _, p in gathered])))
@@ -228,22 +236,24 @@ class StepReads:
         self.lease.read_into(layer, items)
 
     def _merge_split(self):
-        """(hot positions, [(run, count, positions)] to gather) when attention can be split at
-        the hot run (one slice of the slab holding every hot token, the new ones included);
-        None otherwise (the exact path then serves the step). The rest is gathered as segments
-        of one tier each, copied straight into consecutive slices of the buffer. (Reading whole
-        warm blocks in place as a batch of one-block attentions was measured slower than this
-        gather on CPU: 1.2 ms against 0.9 ms a layer at 3k tokens.)"""
+        """([view runs], [(run, count, positions)] to gather) when attention can be split: every
+        run that is one slice of a paged slab on the compute device (hot; warm on a CPU store) is
+        read as a view, and the new tokens lie in such runs; None otherwise (the exact path then
+        serves the step). The rest is gathered as segments of one tier each, copied
+        straight into consecutive slices of the buffer. (Reading whole warm record blocks in
+        place as a batch of one-block attentions was measured slower than this gather on CPU:
+        1.2 ms against 0.9 ms a layer at 3k tokens; a paged warm slab needs neither.)"""
         row = self.lease.rows[0]
         runs, write_runs = row.read_runs, row.write_runs
-        hot = [run for run in runs if run.tier == HOT and isinstance(run.index, slice)]
-        if len(runs) < 2 or not hot or any(run.tier != HOT for run in write_runs):
+        views = [run for run in runs if isinstance(run.index, slice) and self.lease.reads_in_place(run.tier)]
+        in_views = {run.tier for run in views}
+        if len(runs) < 2 or not views or any(run.tier not in in_views for run in write_runs):
             return None
         gathered = []
         for run, first, count in (self.lease.segments(0, 0, self.num_history) if self.num_history else []):
-            if run.tier != HOT:  # hot ones are inside the hot run's slice
+            if run.tier not in in_views:  # tokens of a view's tier are inside its slice
                 gathered.append((run, count, torch.arange(first, first + count, device=self.lease.device)))
-        return hot[0].positions, gathered
+        return views, gathered
 
     def _gathered_runs(self) -> list:
         """Every run this step gathers into a buffer."""

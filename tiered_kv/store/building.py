@@ -15,7 +15,8 @@ from ..hw.block_copy import BlockCopier, device_staging
 from ..metrics.registry import BACKGROUND, ON_DEMAND
 from ..pool import SlotPool
 from ..scheduler.mem_scheduler import Watermarks
-from ..tiers import ColdTier, HotTier, WarmTier
+from ..tiers import ColdTier, HotTier
+from ..tiers.warm import warm_tier
 from .copies import Staging
 
 STAGING_BYTES = 32 * 2**20  # host staging for on-demand batches into and out of cold
@@ -34,7 +35,7 @@ def build_tiers(config, layout: KVLayout, dtype: torch.dtype, device, pinned: bo
     """(tiers, pools) for `layout`; each tier is appended to `made` as soon as it exists."""
     capacities = capacities_of(config, layout, cold_directory is not None)
     made.append(HotTier(layout, capacities[HOT], device, dtype))
-    made.append(WarmTier(layout, capacities[WARM], dtype, pinned))
+    made.append(warm_tier(layout, capacities[WARM], dtype, pinned, config.warm.layout, device))
     made.append(ColdTier(layout, capacities[COLD], cold_directory, config.cold.backend, config.cold.fsync)
                 if capacities[COLD] > 0 else None)
     return list(made), [SlotPool(n, TIER_NAMES[t]) for t, n in enumerate(capacities)]

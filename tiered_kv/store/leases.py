@@ -109,6 +109,12 @@ class StepLease:
         lease_row = self.rows[row]
         return self._host.mapper.map_segments(lease_row.tiers, lease_row.slots, start_token, end_token)
 
+    def reads_in_place(self, tier: int) -> bool:
+        """Whether a slice run of `tier` reads as a view on the compute device: a paged slab
+        there (hot; warm on a CPU store)."""
+        slab_device = getattr(self._host.tiers[tier], "device", None)
+        return slab_device is not None and torch.device(slab_device) == torch.device(self.device)
+
     def kernel_views(self, layer: int) -> list:
         """Per tier that a kernel can read in place (hot, then warm when it can), `(K, V)` as
         `[num_slots, H, bs, D]` views; a tier's position is its tag in a block table."""

@@ -8,11 +8,12 @@
     write_tokens(layer, index, kv)                 kv: T[2, H, t, D]
     flush(), close()
 
-Tiers never call up into the store; the store owns placement.
+Hot (and, on a CPU store, warm) slabs are paged (paged.py): a run of consecutive slots is one
+token range per layer, read as a view. Tiers never call up into the store; the store owns placement.
 """
 
 from .cold import ColdTier
 from .hot import HotTier
-from .warm import WarmTier
+from .warm import PagedWarmTier, WarmTier
 
-__all__ = ["HotTier", "WarmTier", "ColdTier"]
+__all__ = ["HotTier", "WarmTier", "PagedWarmTier", "ColdTier"]

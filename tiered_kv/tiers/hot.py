@@ -1,92 +1,14 @@
-"""Hot tier: paged blocks on the compute device (HBM under CUDA, RAM on cpu).
-
-Slab layout `[L, 2, H, num_slots * block_size, D]`: within a layer, slot s holds tokens
-s*bs .. s*bs+bs-1 along the token axis. A sequence whose blocks sit in consecutive slots is
-therefore one contiguous token range, and attention reads it as a view with no copy; other
-sequences are gathered with one index_select per layer (the same traffic as DynamicCache's cat).
-"""
+"""Hot tier: paged blocks on the compute device (HBM under CUDA, RAM on cpu), in the paged
+layout of paged.py: a sequence in consecutive slots is one contiguous token range per layer."""
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-
-from ..blocks import KVLayout
-from ..hw.memory import allocate_slab
+from .paged import PagedTier
 
 
-class HotTier:
+class HotTier(PagedTier):
     name = "hot"
+    capacity_key = "hot.capacity"
 
-    def __init__(self, layout: KVLayout, num_slots: int, device: torch.device, dtype: torch.dtype):
-        self.layout = layout
-        self.num_slots = num_slots
-        self.device = device
-        bs = layout.block_size
-        # checked against the device's free memory first: ConfigError('hot.capacity'), not an OOM
-        self.slab = allocate_slab(
-            "hot.capacity", (layout.num_layers, 2, layout.num_kv_heads, num_slots * bs, layout.head_dim), dtype, device
-        )
-        self._blocks = self.slab.view(layout.num_layers, 2, layout.num_kv_heads, num_slots, bs, layout.head_dim)
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self.num_slots * self.layout.block_bytes
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Bytes of the slab as allocated (diagnose reports them beside the capacity)."""
-        return self.slab.numel() * self.slab.element_size() if self.slab is not None else 0
-
-    def _slot_tensor(self, slots: list[int]) -> torch.Tensor:
-        return torch.tensor(slots, dtype=torch.long, device=self.device)
-
-    def read_blocks(self, slots: list[int]) -> torch.Tensor:
-        return self._blocks.index_select(3, self._slot_tensor(slots)).permute(3, 0, 1, 2, 4, 5)
-
-    def write_blocks(self, slots: list[int], data: torch.Tensor) -> None:
-        data = data.to(self.device, non_blocking=True)
-        self._blocks.index_copy_(3, self._slot_tensor(slots), data.permute(1, 2, 3, 0, 4, 5))
-
-    def block_view(self, slot: int) -> torch.Tensor:
-        """Slot `slot` as a (strided) `[L, 2, H, bs, D]` view, for async single-block copies."""
-        return self._blocks[:, :, :, slot]
-
-    def slots_view(self) -> torch.Tensor:
-        """Every slot as a (strided) `[num_slots, L, 2, H, bs, D]` view, for batched block copies."""
-        return self._blocks.permute(3, 0, 1, 2, 4, 5)
-
-    def kernel_view(self, layer: int, device: torch.device):
-        """`(K, V)` of layer `layer` as `[num_slots, H, bs, D]` views of the slab, for a kernel on
-        `device` that reads blocks where they lie (the paged decode kernel); None elsewhere."""
-        if self.slab is None or self.slab.device.type != torch.device(device).type:
-            return None
-        heads, bs, dim = self.layout.num_kv_heads, self.layout.block_size, self.layout.head_dim
-        return tuple(self.slab[layer, kv].view(heads, self.num_slots, bs, dim).permute(1, 0, 2, 3) for kv in (0, 1))
-
-    def token_index(self, slots, offsets):
-        """A slice when the tokens are one contiguous run of the slab, else a LongTensor."""
-        flat = np.asarray(slots, dtype=np.int64) * self.layout.block_size + np.asarray(offsets, dtype=np.int64)
-        if len(flat) and flat[-1] - flat[0] == len(flat) - 1 and bool((np.diff(flat) == 1).all()):
-            return slice(int(flat[0]), int(flat[-1]) + 1)
-        return torch.from_numpy(flat).to(self.device)
-
-    def read_tokens(self, layer: int, index) -> torch.Tensor:
-        if isinstance(index, slice):
-            return self.slab[layer, :, :, index]
-        return self.slab[layer].index_select(2, index)
-
-    def read_tokens_into(self, layer: int, index, out: torch.Tensor) -> None:
-        out.copy_(self.read_tokens(layer, index))
-
-    def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
-        if isinstance(index, slice):
-            self.slab[layer, :, :, index].copy_(kv)
-        else:
-            self.slab[layer].index_copy_(2, index, kv)
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.slab = self._blocks = None
+__all__ = ["HotTier"]

@@ -1,7 +1,12 @@
 """Warm tier: a host RAM slab, page-locked when CUDA exists so device copies run async (DMA).
 
-Slab layout `[num_slots, L, 2, H, bs, D]`: one block is one contiguous record, byte-identical
-to a cold-tier record, so warm<->cold moves are single reads/writes with no repacking.
+Two layouts (config `warm.layout`), chosen by who reads warm blocks:
+- `WarmTier`, records `[num_slots, L, 2, H, bs, D]`: one block is one contiguous record,
+  byte-identical to a cold-tier record: a run of blocks is one DMA to or from a GPU, and one
+  read or write of the cold file. The layout of a store whose hot tier is a GPU.
+- `PagedWarmTier`, the hot tier's paged layout (paged.py): on a CPU store attention reads a run
+  of warm blocks in place, as a view of the slab, as it reads hot ones; a hot<->warm move is
+  L*2*H contiguous copies per run of blocks.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import torch
 from ..blocks import KVLayout
 from ..hw.block_copy import slot_runs
 from ..hw.memory import allocate_slab
+from .paged import PagedTier
 
 
 GATHER_WITH_KERNEL_ON_CPU = False  # tests: run the CUDA gather path through the kernels' torch reference
@@ -147,3 +153,20 @@ class WarmTier:
     def close(self) -> None:
         self.slab = None
 
+
+class PagedWarmTier(PagedTier):
+    """Warm blocks in host RAM in the paged layout (see the module docstring)."""
+
+    name = "warm"
+    capacity_key = "warm.capacity"
+
+    def __init__(self, layout: KVLayout, num_slots: int, dtype: torch.dtype, pinned: bool):
+        super().__init__(layout, num_slots, torch.device("cpu"), dtype, pin_memory=pinned)
+        self.pinned = pinned
+
+
+def warm_tier(layout: KVLayout, num_slots: int, dtype: torch.dtype, pinned: bool, layout_name: str,
+              hot_device) -> WarmTier | PagedWarmTier:
+    """The warm tier for config `warm.layout` ("auto": paged when the hot tier is on the CPU)."""
+    paged = layout_name == "paged" or (layout_name == "auto" and torch.device(hot_device).type == "cpu")
+    return (PagedWarmTier if paged else WarmTier)(layout, num_slots, dtype, pinned)
