@@ -88,8 +88,9 @@ def test_exact_logits_are_bitwise_equal_to_sdpa(kind, streaming, model, tmp_path
     bank.close()
 
 
+@pytest.mark.parametrize("streaming", ("on", "off"), indirect=True)
 @pytest.mark.parametrize("kind", ("forces_warm", "forces_cold"))
-def test_merge_logits_match_sdpa_within_float_tolerance(kind, model, tmp_path):
+def test_merge_logits_match_sdpa_within_float_tolerance(kind, streaming, model, tmp_path):
     expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(2, 23), 6)
     bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path))
     hooks.install(model, bank, mode="merge")

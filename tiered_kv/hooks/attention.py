@@ -169,11 +169,8 @@ def attention_with_lse(query, key, value, mask, scale: float):
 
 
 def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
-    """Merge partial attentions by log-sum-exp; a part no query could see (lse -inf) weighs 0."""
+    """Merge partial attentions by log-sum-exp: weights exp(lse_i - logsumexp(lse)); a part no
+    query could see (lse -inf) weighs 0, and a query that saw no part at all gets 0."""
     lse = torch.stack(lses)  # [P, B, Hq, q]
-    top = lse.max(dim=0).values
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    weights = torch.exp(lse - top)  # exp(-inf) = 0
-    total = weights.sum(dim=0).clamp_min(torch.finfo(torch.float32).tiny)
-    merged = sum(w.unsqueeze(-1) * torch.nan_to_num(o, nan=0.0) for w, o in zip(weights, outs))
-    return merged / total.unsqueeze(-1)
+    weights = torch.exp(lse - torch.logsumexp(lse, dim=0)).nan_to_num_(nan=0.0)
+    return (weights.unsqueeze(-1) * torch.stack(outs).nan_to_num_(nan=0.0)).sum(dim=0)

@@ -9,9 +9,9 @@ lease and leaves a per-layer `LayerReads` handle in the model's kwargs; the atte
 - paged (merge mode, one new token per row, blocks in tiers a kernel reads in place: hot, and warm
   when page-locked on CUDA): the native paged decode kernel reads every block where it lies. Such
   a step fetches nothing ahead; should its mask not qualify, its layers are gathered instead;
-- split (merge mode, one row, at most SPLIT_MAX_NEW_TOKENS new tokens, lying in runs that are
-  one slice of a paged slab on the compute device: hot, and warm on a CPU store): those runs as
-  views, the rest gathered, merged by log-sum-exp;
+- split (merge mode, one row, at most SPLIT_MAX_NEW_TOKENS new tokens): each segment of the row's
+  blocks that is one slice of a paged slab on the compute device (hot; warm on a CPU store) read
+  as a view, the rest of the history gathered, the partial attentions merged by log-sum-exp;
 - otherwise the history is gathered into one of two stream buffers the bank reuses (layer i uses
   buffer i % 2), the new tokens copied from the model's own K/V. When some of it is below hot,
   layer i+2's history is fetched into its buffer by the store's stream worker as soon as layer
@@ -32,6 +32,8 @@ from ..blocks import COLD, HOT
 # merge mode splits decode-sized steps only: a prefill's many queries make the one gather of
 # the exact path cheap beside its compute, and its partial scores (q x keys each) large
 SPLIT_MAX_NEW_TOKENS = 16
+MAX_VIEW_PARTS = 8  # views of one split step (each one more partial attention to merge)
+SMALL_VIEW_TOKENS = 64  # a shorter segment is cheaper copied into the gathered part than attended apart
 CPU_STREAMING = "auto"  # "auto" | "on" | "off": fetch a layer ahead in a thread on CPU (bench switch)
 
 
@@ -96,6 +98,7 @@ class StepReads:
         if mode == "merge" and self.num_rows == 1 and lease.num_new_tokens <= SPLIT_MAX_NEW_TOKENS:
             self._split = self._merge_split()
         if self._split is not None:
+            self._lower_views = sum(run.tier != HOT for run, _ in self._split[0])
             self._buffer_shape = (2, 1, self._heads, sum(count for _, count, _ in self._split[1]), self._dim)
         else:
             # per row: its history as segments of one tier, each copied straight into its slice
@@ -142,13 +145,11 @@ class StepReads:
         if self._split is None:
             return None
         views, gathered = self._split
-        self.counts["layers_merged"] += 1
-        parts = []
-        for run in views:
-            kv = self.lease.read_run(layer, run)  # a view of the slab
-            if run.tier != HOT:
-                self.counts["lower_runs_in_place"] += 1
-            parts.append((kv[0].unsqueeze(0), kv[1].unsqueeze(0), run.positions))
+        counts = self.counts
+        counts["layers_merged"] += 1
+        counts["lower_runs_in_place"] += self._lower_views
+        parts = [(kv[0].unsqueeze(0), kv[1].unsqueeze(0), positions)  # views of the slabs
+                 for kv, (_, positions) in zip(self.lease.read_views(layer, [run for run, _ in views]), views)]
         if gathered:
             buffer = self._filled_buffer(layer)
             parts.append((buffer[0], buffer[1], torch.cat([p for _, _, p in gathered])))
@@ -236,24 +237,40 @@ class StepReads:
         self.lease.read_into(layer, items)
 
     def _merge_split(self):
-        """([view runs], [(run, count, positions)] to gather) when attention can be split: every
-        run that is one slice of a paged slab on the compute device (hot; warm on a CPU store) is
-        read as a view, and the new tokens lie in such runs; None otherwise (the exact path then
-        serves the step). The rest is gathered as segments of one tier each, copied
-        straight into consecutive slices of the buffer. (Reading whole warm record blocks in
-        place as a batch of one-block attentions was measured slower than this gather on CPU:
+        """([(view run, positions)], [(run, count, positions)] to gather) when attention can be
+        split: the row's tokens as segments of consecutive blocks in one tier; each that is one
+        slice of a paged slab on the compute device (hot; warm on a CPU store) is read as a view
+        (at most MAX_VIEW_PARTS, the largest and those holding new tokens), the other segments
+        are gathered straight into consecutive slices of the buffer: history only when a fetch
+        ahead fills it (it could run before this layer wrote its new tokens: a new token outside
+        the views then leaves the step to the exact path, None); when the model's thread fills it
+        at attention time, short segments too (all but the largest view), new tokens included. (Reading whole warm record blocks
+        in place as a batch of one-block attentions was measured slower than this gather on CPU:
         1.2 ms against 0.9 ms a layer at 3k tokens; a paged warm slab needs neither.)"""
-        row = self.lease.rows[0]
-        runs, write_runs = row.read_runs, row.write_runs
-        views = [run for run in runs if isinstance(run.index, slice) and self.lease.reads_in_place(run.tier)]
-        in_views = {run.tier for run in views}
-        if len(runs) < 2 or not views or any(run.tier not in in_views for run in write_runs):
+        device, num_history = self.lease.device, self.num_history
+        # gathered in the model's thread at attention time (no fetch ahead), new tokens included:
+        # then small segments go into the one gathered part instead of a partial attention each
+        in_thread = not streaming_pays(device)
+        segments = self.lease.segments(0, 0, self.num_tokens)
+        viewable = [isinstance(run.index, slice) and self.lease.reads_in_place(run.tier) for run, _, _ in segments]
+        largest = max((i for i, v in enumerate(viewable) if v), key=lambda i: segments[i][2], default=None)
+        views, gathered = [], []
+        for i, (run, first, count) in enumerate(segments):
+            if viewable[i] and (i == largest or not in_thread or count >= SMALL_VIEW_TOKENS):
+                views.append((run, first, count))
+            elif first + count > num_history and not in_thread:
+                return None
+            else:
+                gathered.append((run, count, torch.arange(first, first + count, device=device)))
+        if not views:
             return None
-        gathered = []
-        for run, first, count in (self.lease.segments(0, 0, self.num_history) if self.num_history else []):
-            if run.tier not in in_views:  # tokens of a view's tier are inside its slice
-                gathered.append((run, count, torch.arange(first, first + count, device=self.lease.device)))
-        return views, gathered
+        if len(views) > MAX_VIEW_PARTS:  # a fragmented row: gather the smallest history views
+            views.sort(key=lambda v: (v[1] + v[2] > num_history, v[2]), reverse=True)
+            for run, first, count in views[MAX_VIEW_PARTS:]:
+                gathered.append((run, count, torch.arange(first, first + count, device=device)))
+            views = views[:MAX_VIEW_PARTS]
+            gathered.sort(key=lambda g: int(g[2][0]))
+        return [(run, torch.arange(first, first + count, device=device)) for run, first, count in views], gathered
 
     def _gathered_runs(self) -> list:
         """Every run this step gathers into a buffer."""

@@ -96,6 +96,10 @@ class StepLease:
         with self._marking_corrupt():
             return self._host.mapper.read_run(layer, run)
 
+    def read_views(self, layer: int, runs: list[TierRun]) -> list[torch.Tensor]:
+        """`[2, H, n, D]` views of runs that read in place (see reads_in_place), one per run."""
+        return self._host.mapper.read_views(layer, runs)
+
     def read_into(self, layer: int, items: list) -> None:
         """For each `(run, out, positions)`: one layer's K/V of the run's tokens into `out`
         (`[2, H, n, D]`, a buffer's slice), at `positions` on the token axis or in order."""

@@ -114,6 +114,12 @@ class TokenMapper:
         data = self._read_tokens(run.tier, layer, run.index)
         return data if run.tier == HOT else data.to(self.device, non_blocking=True)
 
+    def read_views(self, layer: int, runs: list[TierRun]) -> list[torch.Tensor]:
+        """`[2, H, n, D]` views of runs that are slices of paged slabs on the compute device (no
+        bytes move, so no read is timed)."""
+        tiers = self.tiers
+        return [tiers[run.tier].read_tokens(layer, run.index) for run in runs]
+
     def read_into(self, layer: int, run: TierRun, out: torch.Tensor, positions: torch.Tensor | None) -> None:
         """Copy one run's `[2, H, n, D]` into `out`: whole (each tier copies straight from its
         slab or file into it), or at `positions` along the token axis."""
