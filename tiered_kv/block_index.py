@@ -106,24 +106,22 @@ class BlockIndex:
         self.placement_version += 1
         self.order_version += 1
 
-    def move_many(self, block_ids: list[int], tier: int, slots: list[int]) -> None:
-        """`move` for a batch landing in one tier (block_ids[i] to slots[i]; none corrupt), the
-        versions bumped once."""
-        entries, clock, recency = self._entries, self.clock, self._recency
-        arrive, cached = recency[tier], self._unreferenced[tier]
-        touched_hot = []
+    def move_many(self, block_ids: list[int], src_tier: int, tier: int, slots: list[int]) -> None:
+        """`move` for a batch from one tier landing in another (block_ids[i], now in `src_tier`,
+        to slots[i]; none corrupt), the versions bumped once."""
+        entries, clock = self._entries, self.clock
+        leave, leave_cached = self._recency[src_tier], self._unreferenced[src_tier]
+        arrive, cached = self._recency[tier], self._unreferenced[tier]
         for block_id, slot in zip(block_ids, slots):
             entry = entries[block_id]
-            if entry.tier == HOT or tier == HOT:
-                touched_hot.append(block_id)
-            del recency[entry.tier][block_id]
+            del leave[block_id]
             if entry.ref_count == 0:
-                self._unreferenced[entry.tier].pop(block_id, None)
+                leave_cached.pop(block_id, None)
                 cached[block_id] = None
             entry.tier, entry.slot, entry.arrived_at = tier, slot, clock
             arrive[block_id] = None
-        if touched_hot and self._hot_changes is not None:
-            self._hot_changes.extend(touched_hot)
+        if HOT in (src_tier, tier) and self._hot_changes is not None:
+            self._hot_changes.extend(block_ids)
             if len(self._hot_changes) > MAX_HOT_CHANGES_KEPT:
                 self._hot_changes = None
         self.placement_version += 1

@@ -137,6 +137,8 @@ class _Simulation:
 
     def make_room(self, tier: int, num_slots: int = 1) -> bool:
         """Free slots in `tier` by moving its LRU blocks down (recursively) or dropping cached ones."""
+        if self.free[tier] >= num_slots:
+            return True
         while self.free[tier] < num_slots:
             victim = self._victim(tier)
             if victim is None:
@@ -162,7 +164,8 @@ class _Simulation:
         self.free[tier] += 1
 
     def move(self, block_id: int, src_tier: int, dst_tier: int) -> None:
-        self._record(Move(block_id, src_tier, dst_tier))
+        self.moves.append(Move(block_id, src_tier, dst_tier))
+        self.tier_of[block_id] = dst_tier
         self.free[src_tier] += 1
         self.free[dst_tier] -= 1
         self._arrived[dst_tier].append(block_id)

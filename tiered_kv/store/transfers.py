@@ -257,7 +257,7 @@ class Transfers:
                 state.index.relocate(block_id, slot)
             metrics.relocations.inc((), count)
         else:
-            state.index.move_many(block_ids, dst, dst_slots)
+            state.index.move_many(block_ids, src, dst, dst_slots)
             metrics.blocks_moved.inc((TIER_NAMES[src], TIER_NAMES[dst]), count)
             (metrics.demotions if dst > src else metrics.promotions).inc((), count)
             if dst == COLD:
