@@ -274,3 +274,22 @@ def test_plot_without_matplotlib_says_how_to_install(chat, tmp_path, capsys, mon
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert main(["plot", str(chat["path"]), "-o", str(tmp_path / "png")]) == 2
     assert "pip install 'tiered_kv[plot]'" in capsys.readouterr().err
+
+
+def test_the_chat_cli_default_hooks_mode_is_merge_on_a_cpu_store_and_its_tokens_equal_exact(tmp_path):
+    """`tiered-kv chat` defaults to --hooks-mode auto: merge when hot is on the CPU (warm runs read
+    in place), exact on a GPU. The same chat, spilled through warm and cold, gives the same replies
+    in both modes."""
+    from tiered_kv.chat import auto_hooks_mode
+    assert auto_hooks_mode("cpu") == "merge" and auto_hooks_mode("cuda:0") == "exact"
+    replies = {}
+    for mode in ("auto", "exact"):
+        cfg = {"block_size": 4, "hot": {"device": "cpu", "capacity_blocks": 6}, "warm": {"capacity_blocks": 10},
+               "cold": {"capacity_blocks": 256, "path": str(tmp_path / mode)}}
+        records = run_chat(tiny_model("llama"), ByteTokenizer(), cfg, MESSAGES, NEW_TOKENS, out=None,
+                           hooks_mode=mode)
+        assert records[-1]["stats"]["hooks"]["mode"] == ("merge" if mode == "auto" else "exact")
+        replies[mode] = [r["reply"] for r in records]
+    assert records[-1]["stats"]["tiers"]["warm"]["used_blocks"] + records[-1]["stats"]["tiers"]["cold"][
+        "used_blocks"] > 0
+    assert replies["auto"] == replies["exact"]

@@ -131,6 +131,14 @@ def _stop_ids(model, tokenizer) -> set[int]:
 
 
 # ---- the chat -------------------------------------------------------------------------------
+def auto_hooks_mode(device) -> str:
+    """merge on a CPU store: once a chat spills to warm it reads every run of blocks in place
+    (the main job's turns 6-8 decode as fast as with everything hot), where exact copies the
+    whole history per layer and step; exact on a GPU, where merge's paged kernel is not yet
+    measured against it (bench/gpu_check.py)."""
+    return "merge" if torch.device(device).type == "cpu" else "exact"
+
+
 def run_chat(
     model,
     tokenizer,
@@ -149,8 +157,9 @@ def run_chat(
     Each record: turn, user, reply, prompt_tokens, reused_tokens, computed_tokens, new_tokens,
     seq_tokens, attach_s, ttft_s (turn start, attach included, to first new token),
     decode_tokens_per_s (tokens after the first / time after the first), turn_s, stats (bank.stats()).
-    `hooks_mode` "exact" / "merge" puts the bank under the model's attention (tiered_kv.hooks) for
-    the chat and takes it out after; None runs the bank as a plain transformers Cache.
+    `hooks_mode` "exact" / "fast" / "merge" puts the bank under the model's attention
+    (tiered_kv.hooks) for the chat and takes it out after ("auto": see auto_hooks_mode); None
+    runs the bank as a plain transformers Cache.
     `trace` (a file path, or a TraceRecorder the caller closes) records every forward pass and
     turn as JSON lines (tiered_kv/trace/recorder.py); `tiered-kv plot` draws them.
     """
@@ -171,6 +180,8 @@ def run_chat(
 
     bank = CacheBank(model, cfg, store=store)
     recorder = trace if isinstance(trace, TraceRecorder) else None
+    if hooks_mode == "auto":
+        hooks_mode = auto_hooks_mode(bank.store.device)
     if hooks_mode is not None:
         hooks.install(model, bank, mode=hooks_mode)
     records: list[dict] = []

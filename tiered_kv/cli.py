@@ -80,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--no-progress", action="store_true", help="no progress bar while loading the model")
     chat.add_argument("--no-hooks", action="store_true",
                       help="run the bank as a plain Cache (no tiered_kv.hooks paged attention), to compare")
-    chat.add_argument("--hooks-mode", choices=("exact", "fast", "merge"), default="exact",
-                      help="tiered_kv.hooks mode: exact (bitwise sdpa), fast (exact without the contiguous copy on CUDA) "
-                           "or merge (per-tier partials merged by LSE)")
+    chat.add_argument("--hooks-mode", choices=("auto", "exact", "fast", "merge"), default="auto",
+                      help="tiered_kv.hooks mode: exact (bitwise sdpa), fast (exact without the contiguous copy on CUDA), "
+                           "merge (each run of blocks read in place, partials merged by LSE), or auto (default: merge "
+                           "when hot is on the CPU, exact on a GPU)")
     chat.add_argument("--metrics-port", type=_port, default=None, metavar="N",
                       help="serve Prometheus metrics on http://127.0.0.1:N/metrics during the chat (0: any free port)")
     chat.add_argument("--trace", default=None, metavar="FILE",

@@ -9,9 +9,9 @@ lease and leaves a per-layer `LayerReads` handle in the model's kwargs; the atte
 - paged (merge mode, one new token per row, blocks in tiers a kernel reads in place: hot, and warm
   when page-locked on CUDA): the native paged decode kernel reads every block where it lies. Such
   a step fetches nothing ahead; should its mask not qualify, its layers are gathered instead;
-- split (merge mode, one row, at most SPLIT_MAX_NEW_TOKENS new tokens): each segment of the row's
-  blocks that is one slice of a paged slab on the compute device (hot; warm on a CPU store) read
-  as a view, the rest of the history gathered, the partial attentions merged by log-sum-exp;
+- split (merge mode, one row, at most SPLIT_MAX_NEW_TOKENS new tokens): each large run of the
+  row's blocks in consecutive slots of a paged slab on the compute device (hot; warm on a CPU
+  store) read as a view, the rest gathered, the partial attentions merged by log-sum-exp;
 - otherwise the history is gathered into one of two stream buffers the bank reuses (layer i uses
   buffer i % 2), the new tokens copied from the model's own K/V. When some of it is below hot,
   layer i+2's history is fetched into its buffer by the store's stream worker as soon as layer
@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
 from ..blocks import COLD, HOT
@@ -238,39 +239,51 @@ class StepReads:
 
     def _merge_split(self):
         """([(view run, positions)], [(run, count, positions)] to gather) when attention can be
-        split: the row's tokens as segments of consecutive blocks in one tier; each that is one
-        slice of a paged slab on the compute device (hot; warm on a CPU store) is read as a view
-        (at most MAX_VIEW_PARTS, the largest and those holding new tokens), the other segments
-        are gathered straight into consecutive slices of the buffer: history only when a fetch
-        ahead fills it (it could run before this layer wrote its new tokens: a new token outside
-        the views then leaves the step to the exact path, None); when the model's thread fills it
-        at attention time, short segments too (all but the largest view), new tokens included. (Reading whole warm record blocks
-        in place as a batch of one-block attentions was measured slower than this gather on CPU:
-        1.2 ms against 0.9 ms a layer at 3k tokens; a paged warm slab needs neither.)"""
-        device, num_history = self.lease.device, self.num_history
-        # gathered in the model's thread at attention time (no fetch ahead), new tokens included:
-        # then small segments go into the one gathered part instead of a partial attention each
-        in_thread = not streaming_pays(device)
-        segments = self.lease.segments(0, 0, self.num_tokens)
-        viewable = [isinstance(run.index, slice) and self.lease.reads_in_place(run.tier) for run, _, _ in segments]
-        largest = max((i for i, v in enumerate(viewable) if v), key=lambda i: segments[i][2], default=None)
-        views, gathered = [], []
-        for i, (run, first, count) in enumerate(segments):
-            if viewable[i] and (i == largest or not in_thread or count >= SMALL_VIEW_TOKENS):
-                views.append((run, first, count))
-            elif first + count > num_history and not in_thread:
-                return None
-            else:
-                gathered.append((run, count, torch.arange(first, first + count, device=device)))
-        if not views:
+        split. The row's blocks fall into runs of consecutive slots of one tier; each such run in
+        a paged slab on the compute device (hot; warm on a CPU store) can be read as a view. The
+        largest become views (at most MAX_VIEW_PARTS); the other tokens are gathered, one run
+        per tier, into the buffer. A fetch ahead (the stream worker) could run before a layer
+        wrote its new tokens: then every new token must lie in a view (else None: the exact path
+        serves the step). When the model's thread gathers at attention time instead, runs
+        shorter than SMALL_VIEW_TOKENS (all but the largest) are gathered too, new tokens
+        included: one copy beats one more partial attention."""
+        lease, bs = self.lease, self._block_size
+        row, num_tokens, num_history = lease.rows[0], self.num_tokens, self.num_history
+        num_blocks = -(-num_tokens // bs)
+        tiers, slots = row.tiers[:num_blocks], row.slots[:num_blocks]
+        if len(tiers) < num_blocks or (tiers < 0).any():
+            return None  # (a corrupt block: the exact path raises for it)
+        in_thread = not streaming_pays(lease.device)
+        bounds = [0, *(np.flatnonzero((np.diff(tiers) != 0) | (np.diff(slots) != 1)) + 1).tolist(), num_blocks]
+        in_place = {tier: lease.reads_in_place(tier) for tier in set(tiers.tolist())}
+        runs = [(min(b1 * bs, num_tokens) - b0 * bs, b0 * bs, min(b1 * bs, num_tokens))
+                for b0, b1 in zip(bounds[:-1], bounds[1:]) if in_place[int(tiers[b0])]]
+        if not runs:
             return None
-        if len(views) > MAX_VIEW_PARTS:  # a fragmented row: gather the smallest history views
-            views.sort(key=lambda v: (v[1] + v[2] > num_history, v[2]), reverse=True)
-            for run, first, count in views[MAX_VIEW_PARTS:]:
-                gathered.append((run, count, torch.arange(first, first + count, device=device)))
-            views = views[:MAX_VIEW_PARTS]
-            gathered.sort(key=lambda g: int(g[2][0]))
-        return [(run, torch.arange(first, first + count, device=device)) for run, first, count in views], gathered
+        runs.sort(reverse=True)  # largest first
+        must = [] if in_thread else [r for r in runs if r[2] > num_history]
+        views = must + [r for r in runs if r not in must][:max(0, MAX_VIEW_PARTS - len(must))]
+        if in_thread:
+            views = views[:1] + [r for r in views[1:] if r[0] >= SMALL_VIEW_TOKENS]
+        if len(views) > MAX_VIEW_PARTS:
+            return None
+        token_tiers = np.repeat(tiers, bs)[:num_tokens]
+        token_slots = np.repeat(slots, bs)[:num_tokens]
+        offsets = np.tile(np.arange(bs, dtype=np.int64), num_blocks)[:num_tokens]
+        rest = np.ones(num_tokens, dtype=bool)
+        view_parts = []
+        for _, lo, hi in sorted(views, key=lambda r: r[1]):
+            rest[lo:hi] = False
+            run = lease.run_of(int(token_tiers[lo]), token_slots[lo:hi], offsets[lo:hi])
+            view_parts.append((run, torch.arange(lo, hi, device=lease.device)))
+        if not in_thread and rest[num_history:].any():
+            return None
+        gathered = []
+        for tier in np.unique(token_tiers[rest]).tolist():
+            picked = np.flatnonzero(rest & (token_tiers == tier))
+            gathered.append((lease.run_of(tier, token_slots[picked], offsets[picked]), len(picked),
+                             torch.from_numpy(picked).to(lease.device)))
+        return view_parts, gathered
 
     def _gathered_runs(self) -> list:
         """Every run this step gathers into a buffer."""

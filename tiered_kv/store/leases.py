@@ -113,6 +113,10 @@ class StepLease:
         lease_row = self.rows[row]
         return self._host.mapper.map_segments(lease_row.tiers, lease_row.slots, start_token, end_token)
 
+    def run_of(self, tier: int, token_slots, offsets) -> TierRun:
+        """The run of these tokens of one tier (slot and offset of each, in the order wanted)."""
+        return TierRun(tier, self._host.tiers[tier].token_index(token_slots, offsets), None)
+
     def reads_in_place(self, tier: int) -> bool:
         """Whether a slice run of `tier` reads as a view on the compute device: a paged slab
         there (hot; warm on a CPU store)."""
