@@ -60,11 +60,11 @@ def test_direct_copy_merges_runs():
 
 
 # ---- through a store ----------------------------------------------------------------------
-def _store(device: str, num_hot: int = 16, num_warm: int = 16, dtype=torch.float32):
+def _store(device: str, num_hot: int = 16, num_warm: int = 16, dtype=torch.float32, warm_layout: str = "auto"):
     full = {"high_watermark": 1.0, "low_watermark": 1.0}
     store = tiered_kv.TierStore({"block_size": LAYOUT.block_size,
                                  "hot": {"device": device, "capacity_blocks": num_hot, **full},
-                                 "warm": {"capacity_blocks": num_warm, "pinned": "auto", **full},
+                                 "warm": {"capacity_blocks": num_warm, "pinned": "auto", "layout": warm_layout, **full},
                                  "cold": {"capacity": 0}, "scheduler": {"background": False}})
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     store.bind(KVLayout(LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.block_size, name), dtype)
@@ -116,8 +116,9 @@ def _copier(store):
     return store.transfers.staging["on_demand"].copier
 
 
-def test_store_moves_keep_every_block_on_cpu():
-    store = _store("cpu")
+@pytest.mark.parametrize("warm_layout", ["paged", "records"])
+def test_store_moves_keep_every_block_on_cpu(warm_layout):
+    store = _store("cpu", warm_layout=warm_layout)
     try:
         copier = _check_moves(store)
         assert copier.staging is None and copier.num_calls >= 5
@@ -163,6 +164,51 @@ def test_a_move_whose_block_is_not_where_the_plan_says_is_left_out_of_its_batch(
         assert store.check_consistency() == []
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("warm_layout", ["paged", "records"])
+def test_a_batch_copies_as_one_run_enters_in_plan_order_and_counts_once(warm_layout, monkeypatch):
+    """Issue 17, item 3: a batch takes its destination slots in runs (48 blocks demoted in the
+    reverse of their hot order still copy as ONE run), its blocks enter the destination's
+    recency order in plan order, and its bookkeeping is per batch (metric calls do not grow with
+    the blocks), with every byte kept both ways."""
+    from tiered_kv.hw import block_copy
+    from tiered_kv.metrics.registry import Counter
+
+    store = _store("cpu", num_hot=64, num_warm=64, warm_layout=warm_layout)
+    try:
+        store.tiers[HOT].slab.normal_()
+        block_ids = store.allocate(48)
+        before = _blocks(store, block_ids)
+        runs, incs = [], [0]
+        real_runs, real_inc = block_copy.slot_runs, Counter.inc
+        monkeypatch.setattr(block_copy, "slot_runs", lambda *a: (lambda r: (runs.append(len(r)), r)[1])(real_runs(*a)))
+        monkeypatch.setattr(Counter, "inc", lambda self, *a, **k: (incs.__setitem__(0, incs[0] + 1),
+                                                                  real_inc(self, *a, **k))[1])
+        plan_order = block_ids[::-1]
+        assert store.demote(plan_order, WARM) == []
+        assert runs == [1], runs
+        assert list(store.state.index.recency(WARM)) == plan_order
+        assert incs[0] <= 12, incs  # a handful per batch, not per block
+        runs.clear()
+        assert store.promote(block_ids) == []
+        assert runs == [1], runs
+        assert _blocks(store, block_ids).keys() == before.keys()
+        for b, data in _blocks(store, block_ids).items():
+            assert torch.equal(data, before[b]), b
+        assert store.check_consistency() == []
+    finally:
+        store.close()
+
+
+def test_a_paged_warm_slab_is_refused_beside_a_gpu_hot_tier():
+    from tiered_kv.errors import ConfigError
+    from tiered_kv.tiers.warm import PagedWarmTier, WarmTier, warm_tier
+
+    with pytest.raises(ConfigError, match="warm.layout"):
+        warm_tier(LAYOUT, 4, torch.float32, False, "paged", "cuda:0")
+    assert isinstance(warm_tier(LAYOUT, 4, torch.float32, False, "auto", "cuda:0"), WarmTier)
+    assert isinstance(warm_tier(LAYOUT, 4, torch.float32, False, "auto", "cpu"), PagedWarmTier)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")

@@ -10,7 +10,7 @@ from ..scheduler import Move
 from .copies import MOVE
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False)
 class Transfer:
     """One block's copy. A move takes the block to (dst_tier, dst_slot); a copy fills a new block
     (`block_id`, already at its destination) from another block's slot; a read-out copies a block

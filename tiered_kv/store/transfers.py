@@ -93,11 +93,16 @@ class Transfers:
                 transfers.append(Transfer(block_id, entry.tier, entry.slot, tier, slot, batch))
         for tier, group in wanted.items():
             group = group[:state.pools[tier].num_free]
-            # hot: in token order (a chat's ids grow with its tokens; attention reads one slice);
-            # below: in source order, so that both sides of the copy advance together
-            group.sort(key=(lambda item: item[0]) if tier == HOT else (lambda item: (item[1], item[2])))
-            transfers += [Transfer(block_id, src_tier, src_slot, tier, slot, batch) for (block_id, src_tier, src_slot),
-                          slot in zip(group, self._reserve_runs(tier, len(group)))]
+            # slots in runs: into hot in token order (a chat's ids grow with its tokens; attention
+            # reads one slice), below in source order (both sides of the copy advance together);
+            # the transfers stay in plan order (the order blocks enter the tier's recency order)
+            order = sorted(range(len(group)), key=(lambda i: group[i][0]) if tier == HOT else
+                           (lambda i: (group[i][1], group[i][2])))
+            slots = [0] * len(group)
+            for i, slot in zip(order, self._reserve_runs(tier, len(group))):
+                slots[i] = slot
+            transfers += [Transfer(block_id, src_tier, src_slot, tier, slot, batch)
+                          for (block_id, src_tier, src_slot), slot in zip(group, slots)]
         for t in transfers:
             in_flight[t.block_id] = t
         state.report_evictions(batch.num_evictions, "the background mover" if mode == BACKGROUND else "a plan")

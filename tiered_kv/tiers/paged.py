@@ -86,6 +86,7 @@ class PagedTier:
         out.copy_(self.read_tokens(layer, index))
 
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
+        kv = kv.to(self.device, non_blocking=True)
         if isinstance(index, slice):
             self.slab[layer, :, :, index].copy_(kv)
         else:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..blocks import KVLayout
+from ..errors import ConfigError
 from ..hw.block_copy import slot_runs
 from ..hw.memory import allocate_slab
 from .paged import PagedTier
@@ -168,5 +169,10 @@ class PagedWarmTier(PagedTier):
 def warm_tier(layout: KVLayout, num_slots: int, dtype: torch.dtype, pinned: bool, layout_name: str,
               hot_device) -> WarmTier | PagedWarmTier:
     """The warm tier for config `warm.layout` ("auto": paged when the hot tier is on the CPU)."""
-    paged = layout_name == "paged" or (layout_name == "auto" and torch.device(hot_device).type == "cpu")
+    on_cpu = torch.device(hot_device).type == "cpu"
+    if layout_name == "paged" and not on_cpu:
+        raise ConfigError(f"config key 'warm.layout': got 'paged' with the hot tier on {hot_device}; allowed there: "
+                          "'records' or 'auto' (paged serves a CPU store, whose attention reads warm in place; a "
+                          "GPU reads warm by DMA and by its kernels, which need records)")
+    paged = layout_name == "paged" or (layout_name == "auto" and on_cpu)
     return (PagedWarmTier if paged else WarmTier)(layout, num_slots, dtype, pinned)
