@@ -27,6 +27,7 @@ class Transfer:
     cancelled: bool = False  # a step began to use the block where it was, or it was freed
     corrupt: bool = False  # the source failed its checksum on the way
     src_block: int | None = None  # a copy: the block copied from
+    move: object = None  # the plan's Move this carries out (reused as the committed Move)
 
 
 @dataclass(eq=False)

@@ -85,10 +85,11 @@ class DemandMoves:
         self._charge(batch, time.perf_counter() - start_s)
 
     def _charge(self, batch: TransferBatch, seconds: float) -> None:
-        moves = [t for t in batch.transfers if t.src_tier >= 0 and t.dst_tier >= 0 and t.src_tier != t.dst_tier]
-        if not moves:
+        first = next((t for t in batch.transfers if t.src_tier >= 0 and t.dst_tier >= 0 and t.src_tier != t.dst_tier),
+                     None)
+        if first is None:
             return
-        direction = "demote" if moves[0].dst_tier > moves[0].src_tier else "promote"
+        direction = "demote" if first.dst_tier > first.src_tier else "promote"
         self.transfers.metrics.move_seconds.inc((direction,), seconds)
         self.thread_seconds()[direction] += seconds
 

@@ -69,7 +69,8 @@ class Transfers:
         wanted: dict[int, list] = {}  # destination tier -> [(block id, entry)] in plan order
         placed: list[tuple[int, BlockEntry, int, int]] = []  # compaction: (block, entry, tier, slot)
         peek = index.peek
-        for block_id, src_tier, dst_tier, dst_slot in moves:
+        for move in moves:
+            block_id, src_tier, dst_tier, dst_slot = move
             if block_id in taken or block_id in in_flight or (movable is not None and movable(block_id)):
                 continue
             entry = peek(block_id)
@@ -86,7 +87,7 @@ class Transfers:
                 group = wanted.get(dst_tier)
                 if group is None:
                     group = wanted[dst_tier] = []
-                group.append((block_id, entry.tier, entry.slot))
+                group.append((block_id, entry.tier, entry.slot, move))
         transfers = batch.transfers
         for block_id, entry, tier, slot in placed:
             if self._reserve(tier, slot):
@@ -97,12 +98,12 @@ class Transfers:
             # reads one slice), below in source order (both sides of the copy advance together);
             # the transfers stay in plan order (the order blocks enter the tier's recency order)
             order = sorted(range(len(group)), key=(lambda i: group[i][0]) if tier == HOT else
-                           (lambda i: (group[i][1], group[i][2])))
+                           (lambda i: group[i][1] << 40 | group[i][2]))  # (source tier, source slot)
             slots = [0] * len(group)
             for i, slot in zip(order, self._reserve_runs(tier, len(group))):
                 slots[i] = slot
-            transfers += [Transfer(block_id, src_tier, src_slot, tier, slot, batch)
-                          for (block_id, src_tier, src_slot), slot in zip(group, slots)]
+            transfers += [Transfer(block_id, src_tier, src_slot, tier, slot, batch, move=move)
+                          for (block_id, src_tier, src_slot, move), slot in zip(group, slots)]
         for t in transfers:
             in_flight[t.block_id] = t
         state.report_evictions(batch.num_evictions, "the background mover" if mode == BACKGROUND else "a plan")
@@ -214,7 +215,7 @@ class Transfers:
                 group[0].append(block_id)
                 group[1].append(t.dst_slot)
                 group[2].append(t.src_slot)
-                batch.committed.append(Move(block_id, t.src_tier, t.dst_tier))
+                batch.committed.append(t.move if t.move is not None else Move(block_id, t.src_tier, t.dst_tier))
                 continue
             given_back.setdefault(t.dst_tier, []).append(t.dst_slot)
             if error is not None:
