@@ -169,8 +169,8 @@ def test_a_move_whose_block_is_not_where_the_plan_says_is_left_out_of_its_batch(
 @pytest.mark.parametrize("warm_layout", ["paged", "records"])
 def test_a_batch_copies_as_one_run_enters_in_plan_order_and_counts_once(warm_layout, monkeypatch):
     """Issue 17, item 3: a batch takes its destination slots in runs (48 blocks demoted in the
-    reverse of their hot order still copy as ONE run), its blocks enter the destination's
-    recency order in plan order, and its bookkeeping is per batch (metric calls do not grow with
+    reverse of their hot order still copy as ONE run), its blocks enter warm's recency order in
+    plan order (the victims' LRU order) and hot's in token order, and its bookkeeping is per batch (metric calls do not grow with
     the blocks), with every byte kept both ways."""
     from tiered_kv.hw import block_copy
     from tiered_kv.metrics.registry import Counter
@@ -191,8 +191,9 @@ def test_a_batch_copies_as_one_run_enters_in_plan_order_and_counts_once(warm_lay
         assert list(store.state.index.recency(WARM)) == plan_order
         assert incs[0] <= 12, incs  # a handful per batch, not per block
         runs.clear()
-        assert store.promote(block_ids) == []
+        assert store.promote(plan_order) == []  # (most recent first, as a new turn asks)
         assert runs == [1], runs
+        assert list(store.state.index.recency(HOT)) == block_ids  # into hot in token order: oldest first out
         assert _blocks(store, block_ids).keys() == before.keys()
         for b, data in _blocks(store, block_ids).items():
             assert torch.equal(data, before[b]), b

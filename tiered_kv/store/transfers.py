@@ -95,15 +95,17 @@ class Transfers:
         for tier, group in wanted.items():
             group = group[:state.pools[tier].num_free]
             # slots in runs: into hot in token order (a chat's ids grow with its tokens; attention
-            # reads one slice), below in source order (both sides of the copy advance together);
-            # the transfers stay in plan order (the order blocks enter the tier's recency order)
+            # reads one slice), below in source order (both sides of the copy advance together).
+            # The order of the transfers is the order blocks enter the tier's recency order: into
+            # hot token order too (a chat's oldest tokens are its first victims, so its hot part
+            # stays one run), below the plan's (its victims' LRU order)
             order = sorted(range(len(group)), key=(lambda i: group[i][0]) if tier == HOT else
                            (lambda i: group[i][1] << 40 | group[i][2]))  # (source tier, source slot)
             slots = [0] * len(group)
             for i, slot in zip(order, self._reserve_runs(tier, len(group))):
                 slots[i] = slot
-            transfers += [Transfer(block_id, src_tier, src_slot, tier, slot, batch, move=move)
-                          for (block_id, src_tier, src_slot, move), slot in zip(group, slots)]
+            transfers += [Transfer(group[i][0], group[i][1], group[i][2], tier, slots[i], batch, move=group[i][3])
+                          for i in (order if tier == HOT else range(len(group)))]
         for t in transfers:
             in_flight[t.block_id] = t
         state.report_evictions(batch.num_evictions, "the background mover" if mode == BACKGROUND else "a plan")
