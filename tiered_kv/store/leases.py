@@ -91,11 +91,6 @@ class StepLease:
         with self._marking_corrupt():
             return self._host.mapper.read_layer(layer, self.rows[row].read_runs, self.num_tokens)
 
-    def read_run(self, layer: int, run: TierRun) -> torch.Tensor:
-        """`[2, H, n, D]` of one run (a view for a hot slice)."""
-        with self._marking_corrupt():
-            return self._host.mapper.read_run(layer, run)
-
     def read_views(self, layer: int, runs: list[TierRun]) -> list[torch.Tensor]:
         """`[2, H, n, D]` views of runs that read in place (see reads_in_place), one per run."""
         return self._host.mapper.read_views(layer, runs)

@@ -123,7 +123,7 @@ class StoreState:
 
     def is_pinned(self, block_id: int) -> bool:
         """A running step uses the block or a transfer copies it: no plan may move or drop it."""
-        return block_id in self.in_flight or (bool(self._pins) and self.is_pinned_by_step(block_id))
+        return block_id in self.in_flight or self.is_pinned_by_step(block_id)
 
     def movable_by(self, owner: int | None, protect: frozenset[int] = frozenset()):
         """A plan's predicate of blocks it must leave alone, for a plan made for `owner`'s step:

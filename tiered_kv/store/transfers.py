@@ -66,7 +66,7 @@ class Transfers:
         if self.closed:  # a caller still running while its store closed: nothing moves any more
             return batch
         taken: set[int] = set()
-        wanted: dict[int, list] = {}  # destination tier -> [(block id, entry)] in plan order
+        wanted: dict[int, list] = {}  # destination tier -> [(block id, src tier, src slot, move)] in plan order
         placed: list[tuple[int, BlockEntry, int, int]] = []  # compaction: (block, entry, tier, slot)
         peek = index.peek
         for move in moves:
