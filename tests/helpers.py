@@ -20,6 +20,8 @@ def tiny_model(arch: str):
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    elif arch in WINDOWED_ARCHS:
+        model = windowed_model(arch, common)
     else:
         raise ValueError(arch)
     model.eval()
@@ -27,6 +29,30 @@ def tiny_model(arch: str):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+# sliding-window and hybrid families (issue 18), window SLIDING_WINDOW tokens:
+#   mistral_sw  every layer sliding;   qwen2_sw  max_window_layers: 2 full then 2 sliding
+#   gemma3      5 sliding : 1 full;    cohere2   3 sliding : 1 full
+WINDOWED_ARCHS = ("mistral_sw", "qwen2_sw", "gemma3", "cohere2")
+SLIDING_WINDOW = 10
+
+
+def windowed_model(arch: str, common: dict):
+    from transformers import Cohere2Config, Cohere2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    window = SLIDING_WINDOW
+    if arch == "mistral_sw":
+        return MistralForCausalLM(MistralConfig(**common, sliding_window=window))
+    if arch == "qwen2_sw":
+        return Qwen2ForCausalLM(Qwen2Config(**{**common, "num_hidden_layers": 4}, use_sliding_window=True,
+                                            sliding_window=window, max_window_layers=2))
+    if arch == "gemma3":
+        return Gemma3ForCausalLM(Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=16,
+                                                  sliding_window=window, query_pre_attn_scalar=16))
+    if arch == "cohere2":
+        return Cohere2ForCausalLM(Cohere2Config(**{**common, "num_hidden_layers": 4}, sliding_window=window))
+    raise ValueError(arch)
 
 
 def tier_config(kind: str, cold_dir, block_size: int = BLOCK_SIZE, engine: str = "auto", delay_us: int = 0,
@@ -152,3 +178,16 @@ def umount_tmpfs(path) -> None:
     import subprocess
 
     subprocess.run(["umount", "--lazy", str(path)], check=True)  # lazy: detaches even with files open
+
+
+def linear_attention_model():
+    """A tiny Qwen3-Next (gated delta-net layers beside full attention): a layer kind no bank serves."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(7)
+    return Qwen3NextForCausalLM(Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=16, num_experts=2, num_experts_per_tok=1,
+                                                moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                                linear_num_value_heads=2, linear_num_key_heads=2,
+                                                linear_key_head_dim=16, linear_value_head_dim=16)).eval()

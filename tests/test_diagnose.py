@@ -26,7 +26,7 @@ from tiered_kv.tools.diagnose import diagnose
 from tiered_kv.tools.diagnose_flags import Thresholds, find_flags, largest_block_size_within
 from tiered_kv.tools.diagnose_report import memory_rows, report_json, report_text
 from tiered_kv.tools.memory_probe import LiveTensorBytes
-from helpers import BLOCK_SIZE, VOCAB, tier_config, tiny_model
+from helpers import BLOCK_SIZE, VOCAB, linear_attention_model, tier_config, tiny_model
 
 FP32_BYTES = 4
 PROMPT_TOKENS = 30
@@ -353,31 +353,25 @@ def test_cli_bad_config_exits_2_with_one_line(model, tmp_path, monkeypatch, caps
     assert err.count("\n") == 1 and err.startswith("tiered-kv: error: ") and "block_size" in err
 
 
-def _sliding_window_model():
-    from transformers import MistralConfig, MistralForCausalLM
-    return MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                            sliding_window=8)).eval()
-
-
 def test_an_unservable_model_gives_the_banks_layout_error(tmp_path):
-    unservable = _sliding_window_model()
-    bank = tiered_kv.CacheBank(unservable, tier_config("all_hot", tmp_path / "a"))
+    unservable = linear_attention_model()
+    with pytest.raises(tiered_kv.LayoutError) as from_bank:
+        tiered_kv.CacheBank(unservable, tier_config("all_hot", tmp_path / "a"))
     with pytest.raises(tiered_kv.LayoutError) as from_hooks:
-        hooks.install(unservable, bank)
-    bank.close()
+        hooks.check_servable(unservable)
     with pytest.raises(tiered_kv.LayoutError) as from_diagnose:
         diagnose(unservable, None, config(tmp_path, 16), prompt_tokens=8)
     assert str(from_diagnose.value) == str(from_hooks.value)
+    assert str(from_bank.value) in str(from_hooks.value)
     assert hooks.installed_mode(unservable) is None
 
 
 def test_cli_unservable_model_exits_1(tmp_path, monkeypatch, capsys):
-    status, out, err = _run_cli(monkeypatch, capsys, tmp_path, config(tmp_path, 16), _sliding_window_model(),
+    status, out, err = _run_cli(monkeypatch, capsys, tmp_path, config(tmp_path, 16), linear_attention_model(),
                                 "--prompt-tokens", "8")
     assert status == 1 and out == ""
-    assert err.count("\n") == 1 and re.match(r"tiered-kv: error: tiered_kv.hooks cannot serve model type "
-                                             r"'mistral'.*sliding", err)
+    assert err.count("\n") == 1 and re.match(r"tiered-kv: error: tiered_kv.hooks: model type "
+                                             r"'qwen3_next' has \['linear_attention'\] layers", err)
 
 
 def test_cli_prompt_past_the_model_positions_or_the_tiers_names_the_limit(model, tmp_path, monkeypatch, capsys):

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 import tiered_kv
 from tiered_kv import hooks
-from helpers import TIER_KINDS, VOCAB, flip_cold_byte, rand_ids, tier_config, tiny_model
+from helpers import TIER_KINDS, VOCAB, flip_cold_byte, linear_attention_model, rand_ids, tier_config, tiny_model
 
 MODES = ("exact", "merge")
 
@@ -293,17 +293,12 @@ def test_a_later_set_attn_implementation_turns_the_hooks_off_never_wrong(model, 
 
 # ---- bad input -----------------------------------------------------------------------------
 
-def test_sliding_window_models_are_refused_and_nothing_is_patched(tmp_path):
-    from transformers import MistralConfig, MistralForCausalLM
-    model = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             sliding_window=8))
-    bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))
+def test_linear_attention_models_are_refused_and_nothing_is_patched():
+    model = linear_attention_model()
     before = model.config._attn_implementation
-    with pytest.raises(tiered_kv.LayoutError, match="'mistral'.*sliding"):
-        hooks.install(model, bank)
+    with pytest.raises(tiered_kv.LayoutError, match=r"'qwen3_next' has \['linear_attention'\] layers"):
+        hooks.check_servable(model)
     assert model.config._attn_implementation == before and hooks.installed_mode(model) is None
-    bank.close()
 
 
 def test_attention_layers_without_layer_idx_are_refused(model, tmp_path):

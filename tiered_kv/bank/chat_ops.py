@@ -5,6 +5,11 @@ far as their ids match (verified ids for a bank built from a model), then, on a 
 blocks other banks published under the same model-fingerprinted chain keys. It never adopts the
 caller's ids for tokens whose ids the bank did not see, except in a bank built from a config
 alone, which cannot see any and keeps that trust to itself (it never publishes).
+
+A model of several layer groups (layer_groups.py) resumes at a block boundary where every group
+has what the next token reads: a full group every block before it, a sliding group its window's
+blocks just before it (blocks older than a window were freed, so a hybrid chat resumes where a
+stored conversation ended, not at any earlier boundary).
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ class ChatOps:
         self._abandon_step()
         started_s = time.perf_counter()
         token_ids = self._as_token_list(ids)
-        if len(self._rows) > 1:
-            raise ValueError(f"attach() serves one sequence; this bank holds {len(self._rows)} (call reset())")
+        if self.batch_size > 1:
+            raise ValueError(f"attach() serves one sequence; this bank holds {self.batch_size} (call reset())")
         self._check_fits(1, len(token_ids))  # fail before generate() runs any forward pass
         limit = len(token_ids) - 1
         block_size = self.config.block_size
@@ -40,13 +45,14 @@ class ChatOps:
             row = self._rows[0]
             if not self.verifies_token_ids and len(row.token_ids) < self._seq_len:
                 # a config-only bank never sees generated ids: trust the caller, privately
-                row.token_ids.extend(token_ids[len(row.token_ids):self._seq_len])
+                for group_row in self._rows:
+                    group_row.token_ids.extend(token_ids[len(group_row.token_ids):self._seq_len])
             match = common_prefix_length(row.token_ids[:self._seq_len], token_ids)
-            self.truncate(min(match, limit, self._seq_len))
+            self._truncate_rows(self._servable_length(min(match, limit, self._seq_len)))
         if not self._rows:
-            self._extend_from_store(Row(), token_ids, limit)
+            self._extend_from_store([Row() for _ in range(self._num_groups)], token_ids, limit)
         elif self._seq_len % block_size == 0:
-            self._extend_from_store(self._rows[0], token_ids, limit)
+            self._extend_from_store(self._rows, token_ids, limit)
         if self._rows:
             self._promote_all(turn_start=True)
             self._turn_counted = True  # the step that follows is this same turn
@@ -59,33 +65,75 @@ class ChatOps:
     def _can_look_up(self) -> bool:
         return self.fingerprint.is_shareable and self.store.is_bound
 
-    def _extend_from_store(self, row: Row, token_ids: list[int], limit: int) -> None:
-        """Append to `row` the longest run of published blocks that continues it within `ids`.
-        Only a row whose every id is verified may continue with shared blocks."""
+    def _extend_from_store(self, rows: list[Row], token_ids: list[int], limit: int) -> None:
+        """Append to `rows` (one per layer group, of one sequence) the longest run of published
+        blocks that continues them within `ids` and gives every group what the next token reads.
+        Only rows whose every id is verified may continue with shared blocks."""
         block_size = self.config.block_size
-        num_blocks = len(row.table)
-        if not self._can_look_up() or row.num_verified_tokens != len(row.token_ids) \
-                or len(row.token_ids) != num_blocks * block_size or limit // block_size <= num_blocks:
+        row0 = rows[0]
+        start = len(row0.token_ids) // block_size  # the sequence's blocks so far
+        if not self._can_look_up() or row0.num_verified_tokens != len(row0.token_ids) \
+                or len(row0.token_ids) != start * block_size or limit // block_size <= start:
             return
-        root = self.fingerprint.root_key(self.store.layout.dtype_name)
-        row.extend_keys(root, block_size)
-        previous = row.keys[-1] if row.keys else root
-        keys = chain_keys(previous, token_ids, block_size, num_blocks, limit // block_size - num_blocks)
-        found = self.store.lookup_and_retain(keys)
-        if len(found) < len(keys):  # the rest of the chain may be on the shared remote tier
-            found += self.store.fetch_remote(keys[len(found):], root)
-        if not found:
+        wanted = limit // block_size - start
+        groups = self.layer_groups.groups
+        keys = []
+        for g, row in enumerate(rows):
+            root = self._root_key(g)
+            row.extend_keys(root, block_size)
+            previous = row.keys[-1] if row.keys else root
+            keys.append(chain_keys(previous, token_ids, block_size, start, wanted))
+        # full groups: the leading run of blocks each holds; the sequence can resume at the shortest
+        found: dict[int, list[int]] = {}
+        end = start + wanted
+        for g, group in enumerate(groups):
+            if not group.is_sliding:
+                found[g] = self._look_up(keys[g], g)
+                end = min(end, start + len(found[g]))
+        # sliding groups: the blocks their window needs before `end` (those before `start` they hold)
+        firsts: dict[int, int] = {}
+        for g, group in enumerate(groups):
+            if group.is_sliding and end > start:
+                firsts[g] = first = max(start, group.window_start_block(end * block_size, block_size))
+                found[g] = self._look_up(keys[g][first - start:end - start], g)
+                if len(found[g]) < end - first:
+                    end = start  # no stored window there: nothing is reused beyond what the rows hold
+        if end <= start:
+            self.store.release([b for blocks in found.values() for b in blocks])
             return
-        num_tokens = (num_blocks + len(found)) * block_size
-        row.table.extend(found)
-        row.token_ids = list(token_ids[:num_tokens])
-        row.num_verified_tokens = num_tokens  # a published key names exactly these ids
-        row.keys.extend(keys[:len(found)])
-        row.num_published_blocks = len(row.table)
+        surplus = [b for g, blocks in found.items() if not groups[g].is_sliding for b in blocks[end - start:]]
+        if surplus:
+            self.store.release(surplus)
+        num_tokens = end * block_size
+        left_window = []
+        for g, row in enumerate(rows):
+            if groups[g].is_sliding:
+                if firsts[g] > row.end_block or not row.table:  # what it held is out of the window at `end`
+                    left_window += row.drop_before(row.end_block)
+                    row.first_block = firsts[g]
+                row.table.extend(found[g])
+                left_window += row.drop_before(groups[g].first_needed_block(num_tokens, block_size))
+            else:
+                row.table.extend(found[g][:end - start])
+            row.token_ids = list(token_ids[:num_tokens])
+            row.num_verified_tokens = num_tokens  # a published key names exactly these ids
+            row.keys.extend(keys[g][:end - start])
+            row.num_published_blocks = end
+        if left_window:
+            self.store.release(left_window, for_good=True)
         if not self._rows:
-            self._rows = [row]
+            self._rows = rows
         self._seq_len = num_tokens
         self._structure_changed()
+
+    def _look_up(self, keys: list[bytes], group: int) -> list[int]:
+        """The leading run of `keys` the store holds, then the shared remote tier, each retained."""
+        if not keys:
+            return []
+        found = self.store.lookup_and_retain(keys)
+        if len(found) < len(keys):  # the rest of the chain may be on the shared remote tier
+            found += self.store.fetch_remote(keys[len(found):], self._root_key(group))
+        return found
 
     def prefetch(self) -> None:
         """Bring this chat's blocks up the tiers ahead of its next turn (call it when the user
@@ -136,7 +184,7 @@ class ChatOps:
             return
         before = self._thread_move_seconds()
         store.promote(order, owner=self._step_owner)
-        if self.hooks_mode is None:
+        if not self._reads_in_place:
             store.verify(order)
         self._add_critical_path(before)
 
@@ -156,13 +204,13 @@ class ChatOps:
         first_bad = None
         for row in self._rows:
             tiers, _ = self.store.placements(row.table)
-            bad = next((i for i, tier in enumerate(tiers) if tier == DROPPED), None)
+            bad = next((row.first_block + i for i, tier in enumerate(tiers) if tier == DROPPED), None)
             if bad is not None:
                 first_bad = bad if first_bad is None else min(first_bad, bad)
         if first_bad is None:
             return None
-        keep = min(self._seq_len, first_bad * self.config.block_size)
-        self.truncate(keep)
+        keep = self._servable_length(min(self._seq_len, first_bad * self.config.block_size))
+        self._truncate_rows(keep)
         return keep
 
     @staticmethod

@@ -1,7 +1,10 @@
 """Per-sequence state of a bank: block table, known token ids, chain keys. Ids only, no torch.
 
-For each batch row a bank keeps:
-- `table`: logical block ids in token order (the store says where each one lives);
+For each batch row and layer group (layer_groups.py; one group for a full-attention model) a
+bank keeps one Row:
+- `table`: logical block ids in token order (the store says where each one lives), from block
+  `first_block` of the sequence on (0, except for a sliding-window group, whose row releases the
+  blocks its window left);
 - `token_ids`: the ids of the leading tokens whose KV the row holds, as far as they are known
   (with a model, every computed token; from a config alone, only what attach() was told);
 - `num_verified_tokens`: how many leading ids were seen computed by the bank's own model with
@@ -25,18 +28,39 @@ class Row:
     num_verified_tokens: int = 0
     keys: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0  # leading blocks already offered to the store's index
+    first_block: int = 0  # the sequence position of table[0], in blocks
 
     def copy(self) -> "Row":
         return Row(list(self.table), list(self.token_ids), self.num_verified_tokens, list(self.keys),
-                   self.num_published_blocks)
+                   self.num_published_blocks, self.first_block)
+
+    @property
+    def end_block(self) -> int:
+        """One past the sequence position of the table's last block."""
+        return self.first_block + len(self.table)
+
+    def block_at(self, position: int) -> int:
+        """The block id at sequence position `position` (in blocks); it must be held."""
+        return self.table[position - self.first_block]
+
+    def drop_before(self, position: int) -> list[int]:
+        """Release from the table every block before sequence position `position` (in blocks);
+        returns their ids."""
+        count = min(max(0, position - self.first_block), len(self.table))
+        dropped = self.table[:count]
+        del self.table[:count]
+        self.first_block += count
+        return dropped
 
     def truncate(self, num_tokens: int, block_size: int) -> list[int]:
         """Keep the first `num_tokens` tokens; returns the block ids no longer in the table."""
-        num_blocks = -(-num_tokens // block_size)
+        num_blocks = max(0, -(-num_tokens // block_size) - self.first_block)
         dropped = self.table[num_blocks:]
         del self.table[num_blocks:]
         del self.token_ids[num_tokens:]
         del self.keys[num_tokens // block_size:]
+        if not self.table:
+            self.first_block = 0 if num_tokens == 0 else -(-num_tokens // block_size)
         self.num_verified_tokens = min(self.num_verified_tokens, num_tokens)
         self.num_published_blocks = min(self.num_published_blocks, num_tokens // block_size)
         return dropped
@@ -50,7 +74,7 @@ class Row:
 
     def num_publishable_blocks(self, block_size: int) -> int:
         """Full blocks whose every token id, and every id before them, was verified."""
-        return min(self.num_verified_tokens // block_size, len(self.keys), len(self.table))
+        return min(self.num_verified_tokens // block_size, len(self.keys), self.end_block)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

@@ -82,6 +82,14 @@ class Stepping:
         if self._forward_lease is not None:
             lease, self._forward_lease = self._forward_lease, None
             lease.commit()
+        self._release_left_window()
+
+    def _release_left_window(self) -> None:
+        """Free, for good, the blocks sliding-window rows left at committed steps (once the step
+        that last read them has ended: its attention may have read them as views)."""
+        if self._left_window:
+            blocks, self._left_window = self._left_window, []
+            self.store.release(blocks, for_good=True)
 
     def _take_inputs(self, num_rows: int, num_new: int) -> list[RowInputs]:
         pending, self._pending_inputs = self._pending_inputs, None
@@ -97,9 +105,9 @@ class Stepping:
         self._abandon_step()  # a previous forward that never reached its last layer
         num_rows, _, num_new, _ = key_states.shape
         self._bind(key_states)
-        if self._rows and num_rows != len(self._rows):
+        if self._rows and num_rows != self.batch_size:
             raise LayoutError(
-                f"CacheBank holds {len(self._rows)} sequences but the model passed a batch of {num_rows}; "
+                f"CacheBank holds {self.batch_size} sequences but the model passed a batch of {num_rows}; "
                 "use batch_select_indices / batch_repeat_interleave, or reset() the bank")
         num_tokens = self._seq_len + num_new
         if num_new > 1 and self._turn_started_s is None:  # a turn without attach() starts here
@@ -111,7 +119,7 @@ class Stepping:
                     forward_seen=isinstance(inputs, DeferredInputs) or inputs[0].token_ids is not None,
                     started_s=started_s)
         if step.created_rows:
-            self._rows = [Row() for _ in range(num_rows)]
+            self._rows = [Row() for _ in range(num_rows * self._num_groups)]
         self._step = step
         with self._rolled_back_on_error():
             step.lease = self._open_lease(self._step_request(step))
@@ -123,9 +131,10 @@ class Stepping:
         request = StepRequest(
             self._step_owner, tables, self._block_set, self._seq_len, step.num_new_tokens, new_turn=new_turn,
             promotion_order=self._promotion_order(tables) if new_turn and has_history else [],
-            verify_cold=new_turn and self.hooks_mode is None,  # hooked steps check each cold slice as they read it
+            verify_cold=new_turn and not self._reads_in_place,  # hooked steps check each cold slice as they read it
             count_turn_start=new_turn and has_history and not self._turn_counted,
-            cost_sensitivity=self.cost_sensitivity)
+            cost_sensitivity=self.cost_sensitivity,
+            first_blocks=[row.first_block for row in self._rows] if self.layer_groups.any_sliding else None)
         self._turn_counted = False
         return request
 
@@ -163,35 +172,46 @@ class Stepping:
             self._rollback_step()
             raise
 
+    @property
+    def _reads_in_place(self) -> bool:
+        """Whether hooked attention reads this bank's blocks itself (StepReads: one full group)."""
+        return self.hooks_mode is not None and self.layer_groups.is_single_full
+
     def _commit_step(self) -> None:
         step, store = self._step, self.store
         lease = step.lease
-        replaced, published = [], []
-        for r, row in enumerate(self._rows):
-            leased = lease.rows[r]
+        replaced, published, left_window = [], [], []
+        groups, num_groups, block_size = self.layer_groups.groups, self._num_groups, self.config.block_size
+        for s, row in enumerate(self._rows):
+            leased = lease.rows[s]
             if leased.tail_copy is not None:
                 old_tail, row.table[-1] = leased.tail_copy
                 replaced.append(old_tail)
             row.table.extend(leased.new_blocks)
-            inputs = step.inputs[r]
+            inputs = step.inputs[s // num_groups]
             if inputs.token_ids is not None and len(row.token_ids) == self._seq_len:
                 row.token_ids.extend(inputs.token_ids)
                 if inputs.verified and row.num_verified_tokens == self._seq_len:
                     row.num_verified_tokens = step.num_tokens
-            published += self._publishable(row)
+            group = groups[s % num_groups]
+            if group.is_sliding:  # what the window left is never read again: not published, freed
+                left_window += row.drop_before(group.first_needed_block(step.num_tokens, block_size))
+            published += self._publishable(row, s % num_groups)
         if published:
             store.publish_many(published)
         self._seq_len = step.num_tokens
         self._count_step(step)
         self._step = None
-        if replaced:
+        if replaced or left_window:
             self._block_set = {b for row in self._rows for b in row.table}
         else:
             self._block_set.update(lease.allocated_block_ids)
+        self._left_window += left_window
         if step.forward_seen:
             self._forward_lease = lease  # the last layer's K/V may be read after update(): ended at forward end
         else:
             lease.commit()
+            self._release_left_window()
         if replaced:
             store.release(replaced)
         observer = self.step_observer
@@ -207,15 +227,23 @@ class Stepping:
             metrics.ttft.observe((), time.perf_counter() - self._turn_started_s)
             self._turn_started_s = None
 
-    def _publishable(self, row: Row) -> list[tuple[int, bytes, bytes]]:
+    def _root_key(self, group: int) -> bytes:
+        """The key root of one layer group's blocks (the fingerprint's, tagged by the group when
+        the model has several groups or sliding layers: its blocks hold other layers' bytes)."""
+        root = self.fingerprint.root_key(self.store.layout.dtype_name)
+        if self.layer_groups.is_single_full:
+            return root
+        return self.fingerprint.group_root(root, self.layer_groups.groups[group].key_tag)
+
+    def _publishable(self, row: Row, group: int = 0) -> list[tuple[int, bytes, bytes]]:
         """The row's newly full, verified blocks with their keys (O(new blocks) a step)."""
         if not (self.verifies_token_ids and self.fingerprint.is_shareable):
             return []
         block_size = self.config.block_size
-        root = self.fingerprint.root_key(self.store.layout.dtype_name)
+        root = self._root_key(group)
         row.extend_keys(root, block_size)
-        items = [(row.table[i], row.keys[i], root)
-                 for i in range(row.num_published_blocks, row.num_publishable_blocks(block_size))]
+        items = [(row.block_at(i), row.keys[i], root)
+                 for i in range(max(row.num_published_blocks, row.first_block), row.num_publishable_blocks(block_size))]
         row.num_published_blocks = max(row.num_published_blocks, row.num_publishable_blocks(block_size))
         return items
 
@@ -251,7 +279,8 @@ class Stepping:
         if not self.store.is_bound:
             return
         block_size = self.config.block_size
-        total_blocks = num_rows * num_blocks_for(num_tokens, block_size)
+        total_blocks = num_rows * sum(num_blocks_for(num_tokens, block_size) - g.first_needed_block(num_tokens, block_size)
+                                      for g in self.layer_groups.groups)
         if total_blocks > self.store.total_capacity_blocks:
             hot, warm, cold = self.store.capacities
             raise CapacityError(

@@ -8,16 +8,26 @@ None), then `model.set_attn_implementation(name)`. Llama-style attention calls
 `kwargs` dict, so the bank leaves a `LayerReads` handle in that dict and the attention
 function reads the layer's K/V in place (attention.py).
 
-Only what can be served is patched: every attention module needs a `layer_idx`, and layers
-that are not plain full causal attention (sliding window, hybrid linear/recurrent layers) are
-refused with a LayoutError naming the model type, before anything changes.
+Only what can be served is patched: every attention module needs a `layer_idx`, and a layer
+kind the bank cannot serve (recurrent / linear-attention state, shared-KV layers) is refused
+with a LayoutError naming the model type and the layer type, before anything changes.
+Sliding-window and hybrid models are served: a bank of several layer groups (or of sliding
+layers) hands each layer's K/V back from `update()` — the window's blocks for a sliding layer,
+read as a view or gathered — and the attention functions run transformers' sdpa over them
+with transformers' own masks (the sliding ones included), in every mode. Models whose
+attention adds what sdpa cannot (logit soft-capping, attention sinks) keep transformers' own
+attention function: install() patches nothing for them and says so once; the bank serves them
+through `update()` as without hooks.
 """
 
 from __future__ import annotations
 
+import logging
+
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..blocks import model_layer_groups
 from ..errors import LayoutError
 from .attention import exact_attention, fast_attention, merge_attention
 
@@ -25,6 +35,8 @@ MODES = {"exact": ("tiered_kv_exact", exact_attention), "fast": ("tiered_kv_fast
          "merge": ("tiered_kv_merge", merge_attention)}
 MODE_OF_IMPLEMENTATION = {name: mode for mode, (name, _) in MODES.items()}  # what CacheBank.hooks_mode reads
 _STATE_ATTR = "_tiered_kv_hooks"
+log = logging.getLogger(__name__)
+_said_pass_through: set[str] = set()
 
 for _name, _function in MODES.values():
     AttentionInterface.register(_name, _function)
@@ -61,6 +73,15 @@ def install(model, bank, mode: str = "exact") -> None:
         raise ValueError("tiered_kv.hooks.install: the bank must be built from this model (CacheBank(model, cfg)); "
                          "a bank built from a config alone cannot see the model's forward passes")
     check_servable(model)
+    reason = pass_through_reason(model)
+    if reason is not None:  # transformers' own attention stays: the bank serves it through update()
+        model_type = getattr(model.config, "model_type", type(model).__name__)
+        if model_type not in _said_pass_through:
+            _said_pass_through.add(model_type)
+            log.warning("tiered_kv.hooks: model type %r %s, which the hooks' sdpa would drop; its attention "
+                        "stays transformers' own and CacheBank serves it through update() (nothing was patched)",
+                        model_type, reason)
+        return
     state = getattr(model, _STATE_ATTR, None)
     previous = state.previous_implementation if state is not None else model.config._attn_implementation
     model.set_attn_implementation(MODES[mode][0])
@@ -90,16 +111,10 @@ def check_servable(model) -> None:
     """LayoutError naming the model type when the hooks cannot serve this architecture."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", type(model).__name__)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is not None:
-        others = sorted({t for t in layer_types if t != "full_attention"})
-        if others:
-            raise LayoutError(f"tiered_kv.hooks cannot serve model type {model_type!r}: it has {others} layers "
-                              "(only full causal attention is served today); nothing was patched")
-    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
-        raise LayoutError(f"tiered_kv.hooks cannot serve model type {model_type!r}: sliding-window attention "
-                          f"(sliding_window={text_config.sliding_window}); nothing was patched")
+    try:
+        model_layer_groups(config)
+    except LayoutError as error:
+        raise LayoutError(f"tiered_kv.hooks: {error}") from None
     attention_modules = [m for name, m in model.named_modules()
                          if name.endswith(("self_attn", "attention")) and hasattr(m, "forward")
                          and (hasattr(m, "q_proj") or hasattr(m, "qkv_proj") or hasattr(m, "layer_idx"))]
@@ -110,3 +125,16 @@ def check_servable(model) -> None:
     if missing:
         raise LayoutError(f"tiered_kv.hooks cannot serve model type {model_type!r}: attention layers "
                           f"{sorted(set(missing))} have no integer `layer_idx`; nothing was patched")
+
+
+def pass_through_reason(model) -> str | None:
+    """Why the hooks leave this model's attention as transformers' own, or None: attention that
+    soft-caps its logits or adds sink logits, which sdpa (every hooks mode) does not."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text_config, "attn_logit_softcapping", None)
+    if softcap:
+        return f"soft-caps its attention logits (attn_logit_softcapping={softcap})"
+    if any(hasattr(m, "sinks") for name, m in model.named_modules() if name.endswith(("self_attn", "attention"))):
+        return "adds attention-sink logits (`sinks`)"
+    return None

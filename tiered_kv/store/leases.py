@@ -37,10 +37,17 @@ class StepRequest:
     verify_cold: bool = False  # check the history left in cold against its checksums before the step
     count_turn_start: bool = False  # count where the history is as this turn begins (hit rates)
     cost_sensitivity: float = 0.5
+    # per row, the sequence position (in blocks) of its table's first block: a sliding-window
+    # group's row has released the blocks before it (bank/cache_bank.py); None: all rows start at 0
+    first_blocks: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.num_tokens_before + self.num_new_tokens
+
+    def first_token(self, row: int, block_size: int) -> int:
+        """The sequence position of the first token row `row`'s table holds."""
+        return 0 if self.first_blocks is None else self.first_blocks[row] * block_size
 
 
 @dataclass
@@ -53,7 +60,8 @@ class LeaseRow:
     tiers: np.ndarray  # tier of each block of `table`
     slots: np.ndarray
     write_runs: list[TierRun]  # the new tokens
-    read_runs: list[TierRun]  # every token
+    read_runs: list[TierRun]  # every token the row holds
+    num_tokens: int  # tokens the row holds once the step commits (its table's from first_token on)
 
 
 class StepLease:
@@ -86,10 +94,12 @@ class StepLease:
         self._host.mapper.write_layer(layer, self.rows[row].write_runs, kv)
 
     def read_layer(self, layer: int, row: int) -> torch.Tensor:
-        """`[2, H, num_tokens, D]` of one layer and row on the compute device (a view of the hot
-        slab when the row's blocks are consecutive hot slots)."""
+        """`[2, H, n, D]` of one layer and row on the compute device, n the tokens the row holds
+        (all of them unless its table starts later: a sliding-window group); a view of the hot
+        slab when the row's blocks are consecutive hot slots."""
         with self._marking_corrupt():
-            return self._host.mapper.read_layer(layer, self.rows[row].read_runs, self.num_tokens)
+            lease_row = self.rows[row]
+            return self._host.mapper.read_layer(layer, lease_row.read_runs, lease_row.num_tokens)
 
     def read_views(self, layer: int, runs: list[TierRun]) -> list[torch.Tensor]:
         """`[2, H, n, D]` views of runs that read in place (see reads_in_place), one per run."""

@@ -99,6 +99,7 @@ class Opening:
         store, state, request = self.store, self.store.state, build.request
         index, mapper = state.index, store.mapper
         cache = self.owners.setdefault(request.owner, OwnerCache())
+        block_size = store.config.block_size
         rows, tables = [], []
         for r, committed in enumerate(request.tables):
             table = list(committed)
@@ -107,9 +108,12 @@ class Opening:
             table += build.new_blocks[r]
             tables.append(table)
             tiers, slots = self._placements(cache, r, table)
+            first = request.first_token(r, block_size)  # the row's tokens from here on
             rows.append(LeaseRow(table, build.new_blocks[r], build.tail_copies.get(r), tiers, slots,
-                                 mapper.map_range(tiers, slots, request.num_tokens_before, request.num_tokens),
-                                 mapper.map_range(tiers, slots, 0, request.num_tokens)))
+                                 mapper.map_range(tiers, slots, request.num_tokens_before - first,
+                                                  request.num_tokens - first),
+                                 mapper.map_range(tiers, slots, 0, request.num_tokens - first),
+                                 request.num_tokens - first))
         cache.placement_version = index.placement_version
         cache.tables = [(row.table, row.tiers, row.slots) for row in rows]
         allocated = build.allocated
@@ -242,7 +246,8 @@ class _Build:
     def allocate_new_blocks(self) -> None:
         request, store = self.request, self.store
         block_size = store.config.block_size
-        needed = [-(-request.num_tokens // block_size) - len(table) for table in request.tables]
+        needed = [-(-request.num_tokens // block_size) - request.first_token(r, block_size) // block_size - len(table)
+                  for r, table in enumerate(request.tables)]
         total = sum(needed)
         if not total:
             return

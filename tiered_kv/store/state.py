@@ -203,11 +203,12 @@ class StoreState:
         lock): its references and its step's pins go at the next drain. Takes no lock."""
         self._released_later.append((list(block_ids), owner))
 
-    def release(self, block_ids) -> None:
-        """One reference less each; an unreferenced block without a key (or corrupt) is freed."""
+    def release(self, block_ids, keep_published: bool = True) -> None:
+        """One reference less each; an unreferenced block without a key (or corrupt) is freed, and
+        with `keep_published=False` a published one too (no chat will read it again)."""
         for block_id in block_ids:
             entry = self.index.get(block_id)
-            if self.index.decref(block_id) == 0 and (entry.key is None or entry.is_corrupt):
+            if self.index.decref(block_id) == 0 and (entry.key is None or entry.is_corrupt or not keep_published):
                 self.free_block(block_id)
 
     def free_block(self, block_id: int) -> None:

@@ -244,12 +244,13 @@ class TierStore:
                 self.state.index.incref(block_id)
             self.compaction.note_layout_change()  # another table now holds these blocks
 
-    def release(self, block_ids: list[int]) -> None:
-        """Drop one reference each. Unreferenced published blocks stay as reusable cache."""
+    def release(self, block_ids: list[int], for_good: bool = False) -> None:
+        """Drop one reference each. Unreferenced published blocks stay as reusable cache, unless
+        `for_good`: blocks that left a sliding window, which nobody reads again (never moved down)."""
         with self.lock:
             if self._closed:
                 return
-            self.state.release(block_ids)
+            self.state.release(block_ids, keep_published=not for_good)
             self.state.changes.bump()
 
     def release_later(self, block_ids: list[int], owner: int) -> None:
