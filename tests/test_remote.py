@@ -357,3 +357,18 @@ def test_writes_queued_when_the_store_closes_still_reach_the_server(tmp_path):
         other = CacheBank(model, config(tmp_path / "b", server.url))
         assert other.attach(out) == (out.shape[1] - 1) // BLOCK_SIZE * BLOCK_SIZE
         other.close()
+
+
+def test_a_hybrid_model_picks_its_conversation_up_from_the_server(tmp_path):
+    """Gemma-3-shaped (5 sliding : 1 full): a second store, empty, resumes the first chat from
+    the server: every full group's chain and each sliding group's last window, tokens equal."""
+    model = tiny_model("gemma3")
+    ids = rand_ids(21, 37)
+    with RedisServer(password=PASSWORD) as server:
+        out = first_chat(model, config(tmp_path / "a", server.url), ids)
+        bank = CacheBank(model, config(tmp_path / "b", server.url))
+        reused = bank.attach(out)
+        assert reused == (out.shape[1] - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert torch.equal(greedy(model, out, bank, NEW_TOKENS), reference(model, out, NEW_TOKENS))
+        assert bank.stats()["remote"]["hits"] > 0
+        bank.close()

@@ -437,3 +437,29 @@ def test_runs_through_whole_blocks_read_and_write_like_scattered_tokens(make_tie
     tier.write_tokens(1, index, fresh)
     assert torch.equal(tier.read_tokens(1, index), fresh)
     assert torch.equal(tier.read_tokens(0, index), torch.stack([data[p // 4, 0, :, :, p % 4, :] for p in positions], 2))
+
+
+def test_a_few_runs_of_slots_copy_run_by_run_and_equal_a_gather():
+    """Tokens lying in a few runs of consecutive slots (a sliding window's row after its slab
+    filled around it) are one SliceRuns index: read, read_into and write agree with a per-token
+    gather of the same positions."""
+    from tiered_kv.tiers.paged import SliceRuns
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype_name="float32")
+    hot = HotTier(layout, 16, torch.device("cpu"), torch.float32)
+    hot.slab.copy_(torch.randn_like(hot.slab))
+    slots = np.repeat(np.array([3, 4, 5, 6, 7, 9, 10, 11, 12, 13]), 4)[2:]
+    offsets = np.tile(np.arange(4), 10)[2:]
+    index = hot.token_index(slots, offsets)
+    assert isinstance(index, SliceRuns) and len(index) == 2
+    flat = torch.from_numpy(slots * 4 + offsets)
+    expected = hot.slab[1].index_select(2, flat)
+    assert torch.equal(hot.read_tokens(1, index), expected)
+    out = torch.empty_like(expected)
+    hot.read_tokens_into(1, index, out)
+    assert torch.equal(out, expected)
+    new = torch.randn_like(expected)
+    hot.write_tokens(0, index, new)
+    assert torch.equal(hot.slab[0].index_select(2, flat), new)
+    scattered = hot.token_index(np.array([1, 7, 2, 9]), np.array([0, 1, 2, 3]))
+    assert isinstance(scattered, torch.Tensor)  # short scattered tokens: one gather

@@ -17,6 +17,21 @@ from ..blocks import KVLayout
 from ..hw.memory import allocate_slab
 
 
+MAX_SLICE_RUNS = 8  # a token index of up to this many contiguous runs copies run by run
+MIN_TOKENS_PER_SLICE_RUN = 16  # (on average): shorter runs are gathered in one index_select
+
+
+class SliceRuns(tuple):
+    """A token index of a few contiguous runs of a paged slab, in token order (slices)."""
+
+    def placed(self):
+        """`(slice, first position in the request)` per run."""
+        at = 0
+        for run in self:
+            yield run, at
+            at += run.stop - run.start
+
+
 class PagedTier:
     """A tier whose slab is paged (see the module docstring); `name` names it in errors."""
 
@@ -71,24 +86,40 @@ class PagedTier:
         return tuple(self.slab[layer, kv].view(heads, self.num_slots, bs, dim).permute(1, 0, 2, 3) for kv in (0, 1))
 
     def token_index(self, slots, offsets):
-        """A slice when the tokens are one contiguous run of the slab, else a LongTensor."""
+        """A slice when the tokens are one contiguous run of the slab; `SliceRuns` when they are a
+        few (a row whose blocks lie in a few runs of consecutive slots: copied run by run, at
+        memcpy speed); else a LongTensor of token positions (gathered)."""
         flat = np.asarray(slots, dtype=np.int64) * self.layout.block_size + np.asarray(offsets, dtype=np.int64)
         if len(flat) and flat[-1] - flat[0] == len(flat) - 1 and bool((np.diff(flat) == 1).all()):
             return slice(int(flat[0]), int(flat[-1]) + 1)
+        if len(flat) >= MIN_TOKENS_PER_SLICE_RUN:
+            breaks = np.flatnonzero(np.diff(flat) != 1) + 1
+            if len(breaks) < MAX_SLICE_RUNS and len(flat) >= MIN_TOKENS_PER_SLICE_RUN * (len(breaks) + 1):
+                bounds = [0, *breaks.tolist(), len(flat)]
+                return SliceRuns(slice(int(flat[a]), int(flat[b - 1]) + 1) for a, b in zip(bounds[:-1], bounds[1:]))
         return torch.from_numpy(flat).to(self.device)
 
     def read_tokens(self, layer: int, index) -> torch.Tensor:
         if isinstance(index, slice):
             return self.slab[layer, :, :, index]
+        if isinstance(index, SliceRuns):
+            return torch.cat([self.slab[layer, :, :, run] for run in index], dim=2)
         return self.slab[layer].index_select(2, index)
 
     def read_tokens_into(self, layer: int, index, out: torch.Tensor) -> None:
+        if isinstance(index, SliceRuns):
+            for run, at in index.placed():
+                out[:, :, at:at + run.stop - run.start].copy_(self.slab[layer, :, :, run])
+            return
         out.copy_(self.read_tokens(layer, index))
 
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
         kv = kv.to(self.device, non_blocking=True)
         if isinstance(index, slice):
             self.slab[layer, :, :, index].copy_(kv)
+        elif isinstance(index, SliceRuns):
+            for run, at in index.placed():
+                self.slab[layer, :, :, run].copy_(kv[:, :, at:at + run.stop - run.start])
         else:
             self.slab[layer].index_copy_(2, index, kv)
 

@@ -195,7 +195,8 @@ def _model_figures(model, layout) -> ModelFigures:
     parameters = list(model.parameters())  # each shared (tied) tensor once
     return ModelFigures(
         model_type=str(getattr(model.config, "model_type", type(model).__name__)),
-        device=str(parameters[0].device), dtype=layout.dtype_name, num_layers=layout.num_layers,
+        device=str(parameters[0].device), dtype=layout.dtype_name,
+        num_layers=getattr(model.config.get_text_config(), "num_hidden_layers", layout.num_layers),
         num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
         max_positions=getattr(model.config, "max_position_embeddings", None),
         num_parameters=sum(p.numel() for p in parameters),
@@ -215,8 +216,12 @@ def _kv_figures(store, bank: CacheBank, stats: dict, used_blocks_before: list[in
     if block_bytes != store.layout.block_bytes:  # a broken invariant of the hot slab, not a figure to report
         raise RuntimeError(f"diagnose: hot slab holds {block_bytes} bytes per slot; the layout says "
                            f"{store.layout.block_bytes}")
-    table = bank.block_table(0)
     tokens = int(stats["seq_tokens"])
+    # one table per layer group (a hybrid model's sliding groups hold only their windows)
+    tables = [bank.block_table(0, g) for g in range(len(bank.layer_groups))]
+    num_blocks = sum(map(len, tables))
+    whole = -(-tokens // block_size)
+    held_tokens = sum(tokens - (whole - len(t)) * block_size for t in tables if t)
     tiers = {}
     for t, name in enumerate(TIER_NAMES):
         pool = store.pools[t]
@@ -227,17 +232,17 @@ def _kv_figures(store, bank: CacheBank, stats: dict, used_blocks_before: list[in
             reserved_bytes=_reserved_bytes(store, t), used_bytes=pool.num_used * block_bytes,
             prompt_bytes=prompt_blocks * block_bytes,
             moved_in_bytes=sum(v for k, v in stats["bytes_moved"].items() if k.endswith(f"->{name}")))
-    waste_slots = len(table) * block_size - tokens
+    waste_slots = num_blocks * block_size - held_tokens
     waste_tier = None
-    if table and waste_slots:
-        last_tiers, _ = store.placements(table[-1:])
+    if tables[0] and waste_slots:
+        last_tiers, _ = store.placements(tables[0][-1:])
         waste_tier = TIER_NAMES[int(last_tiers[0])]
     bytes_per_token = block_bytes // block_size
     return KVFigures(
         block_size_tokens=block_size, block_size_auto=store.config.block_size_is_auto, block_bytes=block_bytes,
-        bytes_per_token=bytes_per_token, tokens=tokens, blocks=len(table), used_bytes=len(table) * block_bytes,
-        filled_bytes=tokens * bytes_per_token, waste_slots=waste_slots, waste_bytes=waste_slots * bytes_per_token,
-        waste_ratio=waste_slots / (len(table) * block_size) if table else 0.0, waste_tier=waste_tier,
+        bytes_per_token=bytes_per_token, tokens=tokens, blocks=num_blocks, used_bytes=num_blocks * block_bytes,
+        filled_bytes=held_tokens * bytes_per_token, waste_slots=waste_slots, waste_bytes=waste_slots * bytes_per_token,
+        waste_ratio=waste_slots / (num_blocks * block_size) if num_blocks else 0.0, waste_tier=waste_tier,
         reserved_bytes=sum(t.reserved_bytes for t in tiers.values()), tiers=tiers)
 
 
