@@ -289,3 +289,56 @@ def test_the_memory_target_shape_stores_about_the_window_share(tmp_path):
     expected = 1 / 6 + 5 / 6 * 32 / 256
     assert abs(share - expected) <= 6 * BLOCK_SIZE / (6 * 256), (share, expected)  # a block per layer
     bank.close()
+
+
+def test_a_prompt_whose_prefill_cannot_fit_is_refused_before_anything_is_written(tmp_path):
+    """A prefill holds every group's blocks for its new tokens until it ends: a prompt too large
+    for that is a CapacityError naming the blocks, raised before any forward pass writes; a
+    shorter one still runs, and its window share stays what a long chat then keeps."""
+    model = tiny_model("gemma3")
+    config = tier_config("all_hot", tmp_path)
+    config["hot"]["capacity_blocks"] = 60
+    bank = tiered_kv.CacheBank(model, config)
+    with pytest.raises(tiered_kv.CapacityError, match="blocks"):
+        greedy(model, rand_ids(16, 100), bank, 2)
+    assert bank.get_seq_length() == 0 and bank.stats()["tiers"]["hot"]["used_blocks"] == 0
+    out = greedy(model, rand_ids(16, 30), bank, 40)  # 70 tokens in the end: past 60 blocks' full share
+    assert torch.equal(out, reference(model, rand_ids(16, 30), 40))
+    bank.close()
+
+
+def _other_family(name: str):
+    """Tiny random-weight OLMo 3 (3 sliding : 1 full), gpt-oss (alternating, attention sinks) and
+    Llama 4 text (3 chunked : 1 full, chunk = SLIDING_WINDOW)."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, head_dim=16)
+    torch.manual_seed(1234)
+    if name == "olmo3":
+        common.pop("head_dim")
+        model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**common, sliding_window=SLIDING_WINDOW))
+    elif name == "gpt_oss":
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **common, sliding_window=SLIDING_WINDOW, num_local_experts=2, num_experts_per_tok=1,
+            layer_types=["sliding_attention", "full_attention"] * 2))
+    else:
+        model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+            **common, attention_chunk_size=SLIDING_WINDOW, intermediate_size_mlp=128, num_local_experts=2))
+    model.eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    return model
+
+
+@pytest.mark.parametrize("hooks", (None, "exact"), ids=("no-hooks", "exact"))
+@pytest.mark.parametrize("name", ("olmo3", "gpt_oss", "llama4"))
+def test_more_families_match_dynamic_cache(name, hooks, tmp_path):
+    model, reference_model = _other_family(name), _other_family(name)
+    bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
+    assert bank.layer_groups.any_sliding and not bank.layer_groups.is_single_full
+    if hooks:
+        tiered_kv.hooks.install(model, bank, mode=hooks)
+        # gpt-oss adds sink logits: its attention stays transformers' own, served through update()
+        assert bank.hooks_mode == (None if name == "gpt_oss" else hooks)
+    _conversation(model, bank, reference_model, turns=3)
+    bank.close()

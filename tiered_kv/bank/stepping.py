@@ -113,7 +113,7 @@ class Stepping:
         if num_new > 1 and self._turn_started_s is None:  # a turn without attach() starts here
             self._turn_started_s = started_s
             self.store.metrics.turns.inc()
-        self._check_fits(num_rows, num_tokens)
+        self._check_fits(num_rows, num_tokens, self._seq_len)
         inputs = self._take_inputs(num_rows, num_new)
         step = Step(num_new, num_tokens, created_rows=not self._rows, inputs=inputs,
                     forward_seen=isinstance(inputs, DeferredInputs) or inputs[0].token_ids is not None,
@@ -274,12 +274,15 @@ class Stepping:
         where = f"; the bank dropped everything from token {first_bad} on" if first_bad is not None else ""
         return CorruptBlockError(f"{error}{where}. Call generate again with the whole conversation to recompute it")
 
-    def _check_fits(self, num_rows: int, num_tokens: int) -> None:
-        """CapacityError when `num_rows` sequences of `num_tokens` cannot fit in all tiers at once."""
+    def _check_fits(self, num_rows: int, num_tokens: int, num_tokens_before: int | None = None) -> None:
+        """CapacityError when `num_rows` sequences of `num_tokens` cannot fit in all tiers at once.
+        A sliding group holds its window once a step ended, but during a step every block from its
+        window before the step on (`num_tokens_before`; None: what it keeps afterwards)."""
         if not self.store.is_bound:
             return
         block_size = self.config.block_size
-        total_blocks = num_rows * sum(num_blocks_for(num_tokens, block_size) - g.first_needed_block(num_tokens, block_size)
+        kept_from = num_tokens if num_tokens_before is None else num_tokens_before
+        total_blocks = num_rows * sum(num_blocks_for(num_tokens, block_size) - g.first_needed_block(kept_from, block_size)
                                       for g in self.layer_groups.groups)
         if total_blocks > self.store.total_capacity_blocks:
             hot, warm, cold = self.store.capacities
