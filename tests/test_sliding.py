@@ -342,3 +342,67 @@ def test_more_families_match_dynamic_cache(name, hooks, tmp_path):
         assert bank.hooks_mode == (None if name == "gpt_oss" else hooks)
     _conversation(model, bank, reference_model, turns=3)
     bank.close()
+
+
+@pytest.mark.parametrize("how", ("another_bank", "restart"))
+def test_a_model_of_sliding_layers_only_resumes_a_stored_conversation(how, tmp_path):
+    """No full chain caps where Mistral (every layer sliding) can resume: it is the last boundary
+    at which every window is stored, not the end of the new prompt (found by a review: such a
+    model reused nothing once the ids carried a new message)."""
+    model = tiny_model("mistral_sw")
+    config = tier_config("forces_cold", tmp_path)
+    store = tiered_kv.TierStore(config)
+    first = tiered_kv.CacheBank(model, store=store)
+    out = greedy(model, rand_ids(17, 45), first, 12)
+    if how == "restart":
+        first.close()
+        store.close()
+        store = tiered_kv.TierStore(config)
+    follow = torch.cat([out, rand_ids(18, 5)], 1)
+    second = tiered_kv.CacheBank(model, store=store)
+    assert second.attach(follow) == (out.shape[1] - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert torch.equal(greedy(model, follow, second, 6), reference(model, follow, 6))
+    second.close()
+    if how == "another_bank":
+        first.close()
+    store.close()
+
+
+def test_a_padded_group_is_written_whole_and_survives_a_restart(tmp_path):
+    """34 layers of Gemma 3's pattern (29 sliding, 5 full) make more than MAX_GROUPS equal groups,
+    so groups take 5 layers and the last sliding one has 4: its blocks' fifth layer is written
+    (zeros), so a block made in cold is durable and the chat resumes after a restart (found by a
+    review: it was never made durable and a restart reused nothing)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(4)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=34, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=16, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=16))
+    model.eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    groups = model_layer_groups(model.config)
+    assert any(len(g.layers) < groups.layers_per_group for g in groups.groups)
+    config = tier_config("forces_cold", tmp_path)
+    config["cold"]["capacity_blocks"] = 512
+    bank = tiered_kv.CacheBank(model, config)
+    out = greedy(model, rand_ids(19, 40), bank, 9)
+    bank.close()
+    again = tiered_kv.CacheBank(model, config)
+    follow = torch.cat([out, rand_ids(20, 4)], 1)
+    assert again.attach(follow) == (out.shape[1] - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert torch.equal(greedy(model, follow, again, 4), reference(model, follow, 4))
+    again.close()
+
+
+def test_history_comes_up_newest_first_by_position_across_groups(tmp_path):
+    """Promotion and prefetch order blocks by sequence position, newest first, so a sliding
+    group's window comes up with the full group's newest blocks, not after its whole history."""
+    model = tiny_model("gemma3")
+    bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))
+    greedy(model, rand_ids(21, 60), bank, 9)
+    order = bank._promotion_order(bank._rows)
+    newest = {bank.block_table(0, g)[-1] for g in range(6)}
+    assert set(order[:6]) == newest
+    assert len(order) == len(set(order)) == sum(len(bank.block_table(0, g)) for g in range(6))
+    bank.close()

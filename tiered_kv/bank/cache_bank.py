@@ -189,11 +189,16 @@ class CacheBank(Stepping, ChatOps, Cache):
         g, local = groups.group_of_layer[layer_idx], groups.local_of_layer[layer_idx]
         group, num_groups = groups.groups[g], self._num_groups
         visible = group.kept_tokens(self._seq_len) + step.num_new_tokens
+        # a group short of a block's layers (the last of its kind, above MAX_GROUPS) writes zeros
+        # there, so every layer of its blocks is written (a cold record is durable only then)
+        padding = range(len(group.layers), groups.layers_per_group) if local == len(group.layers) - 1 else ()
         with self._rolled_back_on_error():
             rows = []
             for r in range(kv_new.shape[1]):
                 store_row = r * num_groups + g
                 lease.write_layer(local, store_row, kv_new[:, r])
+                for pad in padding:
+                    lease.write_layer(pad, store_row, torch.zeros_like(kv_new[:, r]))
                 kv = lease.read_layer(local, store_row)
                 rows.append(kv if kv.shape[2] == visible else kv[:, :, -visible:])
         kv = rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, dim=1)

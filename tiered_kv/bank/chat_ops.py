@@ -90,6 +90,8 @@ class ChatOps:
             if not group.is_sliding:
                 found[g] = self._look_up(keys[g], g)
                 end = min(end, start + len(found[g]))
+        if len(found) == 0:  # every group sliding: the last boundary where all windows are stored
+            end = self._last_stored_window_end(keys, start, block_size)
         # sliding groups: the blocks their window needs before `end` (those before `start` they hold)
         firsts: dict[int, int] = {}
         for g, group in enumerate(groups):
@@ -126,6 +128,17 @@ class ChatOps:
         self._seq_len = num_tokens
         self._structure_changed()
 
+    def _last_stored_window_end(self, keys: list[list[bytes]], start: int, block_size: int) -> int:
+        """For a model of sliding groups only (no full chain caps the resume point): the last block
+        boundary after `start` at which every group's window blocks are in the store, else `start`."""
+        groups = self.layer_groups.groups
+        held = [self.store.holds(group_keys) for group_keys in keys]
+        for end in range(start + len(keys[0]), start, -1):
+            if all(all(held[g][max(start, group.window_start_block(end * block_size, block_size)) - start:end - start])
+                   for g, group in enumerate(groups)):
+                return end
+        return start
+
     def _look_up(self, keys: list[bytes], group: int) -> list[int]:
         """The leading run of `keys` the store holds, then the shared remote tier, each retained."""
         if not keys:
@@ -143,7 +156,7 @@ class ChatOps:
         self._check_open()
         self._abandon_step()
         if self._rows:
-            self.store.prefetch(self._step_owner, self._promotion_order([row.table for row in self._rows]))
+            self.store.prefetch(self._step_owner, self._promotion_order(self._rows))
 
     def offload(self, tier: str = "warm") -> dict:
         """Move this idle chat's blocks down to `tier` ("warm" or "cold"), freeing the tiers
@@ -159,21 +172,23 @@ class ChatOps:
         return self.stats()["bank_blocks"]
 
     def _promote_all(self, turn_start: bool = False) -> None:
-        self._promote_tables([row.table for row in self._rows], turn_start)
+        self._promote_rows(self._rows, turn_start)
         self._drop_from_first_corrupt()
 
     @staticmethod
-    def _promotion_order(tables: list[list[int]]) -> list[int]:
-        """Block ids most recent first (likeliest to be read again soon), each once."""
-        longest = max(map(len, tables), default=0)
-        return list(dict.fromkeys(table[i] for i in range(longest - 1, -1, -1) for table in tables if i < len(table)))
+    def _promotion_order(rows: list[Row]) -> list[int]:
+        """Block ids most recent first (likeliest to be read again soon), each once: by sequence
+        position, so a sliding group's window comes up with the full groups' newest blocks."""
+        end = max((row.end_block for row in rows), default=0)
+        return list(dict.fromkeys(row.block_at(p) for p in range(end - 1, -1, -1) for row in rows
+                                  if row.first_block <= p < row.end_block))
 
-    def _promote_tables(self, tables: list[list[int]], turn_start: bool = False) -> None:
+    def _promote_rows(self, rows: list[Row], turn_start: bool = False) -> None:
         """Move these blocks up the tiers now, then check whatever stays cold against its
         checksums rather than mid-forward (with hooks, each cold slice is checked as it is read,
         a layer ahead, off the critical path). At a turn's start, first count where they were
         (the store's per-tier hit rates)."""
-        order = self._promotion_order(tables)
+        order = self._promotion_order(rows)
         if not order:
             return
         store = self.store

@@ -130,7 +130,7 @@ class Stepping:
         has_history = any(tables)
         request = StepRequest(
             self._step_owner, tables, self._block_set, self._seq_len, step.num_new_tokens, new_turn=new_turn,
-            promotion_order=self._promotion_order(tables) if new_turn and has_history else [],
+            promotion_order=self._promotion_order(self._rows) if new_turn and has_history else [],
             verify_cold=new_turn and not self._reads_in_place,  # hooked steps check each cold slice as they read it
             count_turn_start=new_turn and has_history and not self._turn_counted,
             cost_sensitivity=self.cost_sensitivity,

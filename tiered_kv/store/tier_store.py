@@ -298,6 +298,12 @@ class TierStore:
                 self.compaction.note_layout_change()  # a table takes up blocks laid out for another
             return found
 
+    def holds(self, keys: list[bytes]) -> list[bool]:
+        """Whether the store holds each key's block intact (nothing retained)."""
+        with self.lock:
+            index = self.state.index
+            return [(b := index.lookup(key)) is not None and not index.get(b).is_corrupt for key in keys]
+
     def fetch_remote(self, keys: list[bytes], root: bytes) -> list[int]:
         """After a local miss: the leading run of `keys` the remote server holds intact, as new
         published blocks retained once for the caller (remote_io.py); [] when none can come."""
