@@ -79,7 +79,7 @@ def bank_config(args, cold_dir: str, model) -> dict:
     full_kv = (args.context + args.decode_steps * args.rounds + 4 * args.turn_tokens) * args.layers \
         * bytes_per_token_layer
     return {"block_size": args.block_size,
-            "hot": {"device": "cpu", "capacity": int(full_kv * 1.1)},  # a prefill holds all of its tokens
+            "hot": {"device": "cpu", "capacity": int(full_kv * 1.1)},  # all hot, as a kept DynamicCache
             "warm": {"capacity": int(full_kv * 0.1)},
             "cold": {"capacity": int(full_kv * 1.1), "path": cold_dir}}
 

@@ -21,11 +21,12 @@ from tiered_kv.errors import LayoutError
 HOOKS = (None, "exact", "merge")
 
 
-def _conversation(model, bank, reference_model, turns: int = 4, new_tokens: int = 9):
+def _conversation(model, bank, reference_model, turns: int = 4, new_tokens: int = 9, first_prompt: int = 13,
+                  user_tokens: int = 6):
     """Greedy turns through `bank` and through a DynamicCache; asserts equal tokens each turn and
     returns the reuse of each later turn (tokens reused / prompt tokens)."""
     dynamic = DynamicCache(config=reference_model.config)
-    ids_bank = ids_dyn = rand_ids(0, 13)
+    ids_bank = ids_dyn = rand_ids(0, first_prompt)
     reuse = []
     for turn in range(turns):
         reused = bank.attach(ids_bank)
@@ -35,7 +36,7 @@ def _conversation(model, bank, reference_model, turns: int = 4, new_tokens: int 
         out_dyn = greedy(reference_model, ids_dyn, dynamic, new_tokens)
         assert torch.equal(out_bank, out_dyn), f"turn {turn}: {out_bank.tolist()} != {out_dyn.tolist()}"
         assert bank.get_seq_length() == dynamic.get_seq_length() == out_bank.shape[1] - 1
-        user = rand_ids(100 + turn, 6)
+        user = rand_ids(100 + turn, user_tokens)
         ids_bank, ids_dyn = torch.cat([out_bank, user], 1), torch.cat([out_dyn, user], 1)
     return reuse
 
@@ -65,6 +66,27 @@ def test_copies_held_back_on_the_thread_engine(arch, tmp_path):
     model, reference_model = tiny_model(arch), tiny_model(arch)
     bank = tiered_kv.CacheBank(model, tier_config("forces_cold", tmp_path, engine=engine, delay_us=delay_us))
     _conversation(model, bank, reference_model)
+    bank.close()
+
+
+@pytest.mark.parametrize("engine, delay_us", ENGINES, ids=("sync", "thread300us"))
+@pytest.mark.parametrize("kind", TIER_KINDS)
+@pytest.mark.parametrize("arch", ("gemma3", "mistral_sw"))
+def test_turns_longer_than_a_window_store_only_what_it_keeps(arch, kind, engine, delay_us, tmp_path):
+    """Every turn's new tokens pass the window (40-token prompt, 25-token messages, window 10):
+    each sliding row's new blocks start past a gap, and the tokens still equal DynamicCache's."""
+    model, reference_model = tiny_model(arch), tiny_model(arch)
+    bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path, engine=engine, delay_us=delay_us))
+    gapped, open_step = [], bank.store.open_step
+
+    def spy(request):
+        gapped.append(sum(g is not None for g in request.new_first_blocks))
+        return open_step(request)
+
+    bank.store.open_step = spy
+    _conversation(model, bank, reference_model, turns=3, first_prompt=40, user_tokens=25)
+    sliding_rows = sum(g.is_sliding for g in bank.layer_groups.groups)
+    assert gapped.count(sliding_rows) >= 3  # every prefill gapped every sliding row
     bank.close()
 
 
@@ -280,7 +302,7 @@ def test_the_memory_target_shape_stores_about_the_window_share(tmp_path):
                                                head_dim=16, sliding_window=32, query_pre_attn_scalar=16))
     model.eval()
     config = tier_config("all_hot", tmp_path)
-    config["hot"]["capacity_blocks"] = 6 * 256 // BLOCK_SIZE  # (a prefill holds all its tokens until it ends)
+    config["hot"]["capacity_blocks"] = 120  # the prefill too stores only what each window keeps (109)
     bank = tiered_kv.CacheBank(model, config)
     with torch.no_grad():
         model(rand_ids(15, 256), cache=bank, use_cache=True)
@@ -291,19 +313,25 @@ def test_the_memory_target_shape_stores_about_the_window_share(tmp_path):
     bank.close()
 
 
-def test_a_prompt_whose_prefill_cannot_fit_is_refused_before_anything_is_written(tmp_path):
-    """A prefill holds every group's blocks for its new tokens until it ends: a prompt too large
-    for that is a CapacityError naming the blocks, raised before any forward pass writes; a
-    shorter one still runs, and its window share stays what a long chat then keeps."""
+def test_a_long_prefill_stores_only_what_each_window_keeps(tmp_path):
+    """A prefill whose new tokens pass a sliding group's window stores only the blocks that
+    window keeps (the tokens before are attended from the model's own K/V): 100 tokens of a
+    5:1 model fit 80 blocks where all of them would take 150. A prompt too large even so is a
+    CapacityError naming the blocks, before any forward pass writes; the bank stays usable."""
     model = tiny_model("gemma3")
     config = tier_config("all_hot", tmp_path)
-    config["hot"]["capacity_blocks"] = 60
+    config["hot"]["capacity_blocks"] = 80
     bank = tiered_kv.CacheBank(model, config)
     with pytest.raises(tiered_kv.CapacityError, match="blocks"):
-        greedy(model, rand_ids(16, 100), bank, 2)
+        greedy(model, rand_ids(16, 300), bank, 2)  # its full-attention group alone needs 75, windows 40
     assert bank.get_seq_length() == 0 and bank.stats()["tiers"]["hot"]["used_blocks"] == 0
-    out = greedy(model, rand_ids(16, 30), bank, 40)  # 70 tokens in the end: past 60 blocks' full share
-    assert torch.equal(out, reference(model, rand_ids(16, 30), 40))
+    ids = rand_ids(16, 100)
+    out = greedy(model, ids, bank, 12)
+    assert torch.equal(out, reference(model, ids, 12))
+    assert bank.stats()["tiers"]["hot"]["used_blocks"] <= 80
+    follow = torch.cat([out, rand_ids(17, 40)], 1)  # a long next turn: gapped again, over history
+    assert bank.attach(follow) == out.shape[1] - 1
+    assert torch.equal(greedy(model, follow, bank, 6), reference(model, follow, 6))
     bank.close()
 
 

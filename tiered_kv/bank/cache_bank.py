@@ -200,6 +200,8 @@ class CacheBank(Stepping, ChatOps, Cache):
                 for pad in padding:
                     lease.write_layer(pad, store_row, torch.zeros_like(kv_new[:, r]))
                 kv = lease.read_layer(local, store_row)
+                if lease.rows[store_row].skipped_new_tokens:  # gapped: its old tokens, then the new ones
+                    kv = torch.cat((kv, kv_new[:, r]), dim=2)
                 rows.append(kv if kv.shape[2] == visible else kv[:, :, -visible:])
         kv = rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, dim=1)
         if layer_idx == self.num_layers - 1:

@@ -134,7 +134,8 @@ class Stepping:
             verify_cold=new_turn and not self._reads_in_place,  # hooked steps check each cold slice as they read it
             count_turn_start=new_turn and has_history and not self._turn_counted,
             cost_sensitivity=self.cost_sensitivity,
-            first_blocks=[row.first_block for row in self._rows] if self.layer_groups.any_sliding else None)
+            first_blocks=[row.first_block for row in self._rows] if self.layer_groups.any_sliding else None,
+            new_first_blocks=self._gaps(step) if self.layer_groups.any_sliding else None)
         self._turn_counted = False
         return request
 
@@ -172,6 +173,18 @@ class Stepping:
             self._rollback_step()
             raise
 
+    def _gaps(self, step: Step) -> list[int | None]:
+        """Per store row, where a sliding row's new blocks start when its window after this step
+        begins past what it holds (a long prefill): only those are stored (the tokens before
+        are attended from the model's own K/V, and left the window by the step's end), so a
+        prefill holds about two windows of a sliding group, not all of its tokens. Else None."""
+        gaps, block_size, num_groups = [], self.config.block_size, self._num_groups
+        for s, row in enumerate(self._rows):
+            group = self.layer_groups.groups[s % num_groups]
+            kept_from = group.first_needed_block(step.num_tokens, block_size) if group.is_sliding else 0
+            gaps.append(kept_from if kept_from > row.end_block else None)
+        return gaps
+
     @property
     def _reads_in_place(self) -> bool:
         """Whether hooked attention reads this bank's blocks itself (StepReads: one full group)."""
@@ -187,6 +200,9 @@ class Stepping:
             if leased.tail_copy is not None:
                 old_tail, row.table[-1] = leased.tail_copy
                 replaced.append(old_tail)
+            if leased.skipped_new_tokens:  # gapped (see _gaps): what it held is out of the window
+                left_window += row.drop_before(row.end_block)
+                row.first_block = (self._seq_len + leased.skipped_new_tokens) // block_size
             row.table.extend(leased.new_blocks)
             inputs = step.inputs[s // num_groups]
             if inputs.token_ids is not None and len(row.token_ids) == self._seq_len:
@@ -276,14 +292,16 @@ class Stepping:
 
     def _check_fits(self, num_rows: int, num_tokens: int, num_tokens_before: int | None = None) -> None:
         """CapacityError when `num_rows` sequences of `num_tokens` cannot fit in all tiers at once.
-        A sliding group holds its window once a step ended, but during a step every block from its
-        window before the step on (`num_tokens_before`; None: what it keeps afterwards)."""
+        A sliding group holds its window once a step ended; during a step, its window before the
+        step (`num_tokens_before`; None: what it keeps afterwards) and the new blocks it keeps."""
         if not self.store.is_bound:
             return
         block_size = self.config.block_size
-        kept_from = num_tokens if num_tokens_before is None else num_tokens_before
-        total_blocks = num_rows * sum(num_blocks_for(num_tokens, block_size) - g.first_needed_block(kept_from, block_size)
-                                      for g in self.layer_groups.groups)
+        before = num_tokens if num_tokens_before is None else num_tokens_before
+        held_before = num_blocks_for(before, block_size)  # what a row holds before the step, and the new blocks
+        total_blocks = num_rows * sum(
+            held_before - g.first_needed_block(before, block_size) + num_blocks_for(num_tokens, block_size)
+            - max(held_before, g.first_needed_block(num_tokens, block_size)) for g in self.layer_groups.groups)
         if total_blocks > self.store.total_capacity_blocks:
             hot, warm, cold = self.store.capacities
             raise CapacityError(

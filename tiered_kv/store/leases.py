@@ -40,6 +40,9 @@ class StepRequest:
     # per row, the sequence position (in blocks) of its table's first block: a sliding-window
     # group's row has released the blocks before it (bank/cache_bank.py); None: all rows start at 0
     first_blocks: list[int] | None = None
+    # per row, the sequence position (in blocks) where its new blocks start, when later than its
+    # table's end: a sliding group's long prefill stores only what its window keeps (None: at the end)
+    new_first_blocks: list[int | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +51,10 @@ class StepRequest:
     def first_token(self, row: int, block_size: int) -> int:
         """The sequence position of the first token row `row`'s table holds."""
         return 0 if self.first_blocks is None else self.first_blocks[row] * block_size
+
+    def new_first_block(self, row: int) -> int | None:
+        """Where row `row`'s new blocks start when a gap separates them from its table, else None."""
+        return None if self.new_first_blocks is None else self.new_first_blocks[row]
 
 
 @dataclass
@@ -61,7 +68,8 @@ class LeaseRow:
     slots: np.ndarray
     write_runs: list[TierRun]  # the new tokens
     read_runs: list[TierRun]  # every token the row holds
-    num_tokens: int  # tokens the row holds once the step commits (its table's from first_token on)
+    num_tokens: int  # tokens read_layer returns: the row's from first_token on (before the gap, if any)
+    skipped_new_tokens: int = 0  # leading new tokens not stored (they fall in the gap; write_layer skips them)
 
 
 class StepLease:
@@ -90,13 +98,18 @@ class StepLease:
 
     # ---- one layer's K/V, without the store lock ----------------------------------------------
     def write_layer(self, layer: int, row: int, kv: torch.Tensor) -> None:
-        """Store the new tokens' `[2, H, t, D]` of one layer and row, wherever their blocks live."""
-        self._host.mapper.write_layer(layer, self.rows[row].write_runs, kv)
+        """Store the new tokens' `[2, H, t, D]` of one layer and row, wherever their blocks live
+        (a gapped row's: those after its gap)."""
+        lease_row = self.rows[row]
+        if lease_row.skipped_new_tokens:
+            kv = kv[:, :, lease_row.skipped_new_tokens:]
+        self._host.mapper.write_layer(layer, lease_row.write_runs, kv)
 
     def read_layer(self, layer: int, row: int) -> torch.Tensor:
         """`[2, H, n, D]` of one layer and row on the compute device, n the tokens the row holds
-        (all of them unless its table starts later: a sliding-window group); a view of the hot
-        slab when the row's blocks are consecutive hot slots."""
+        (all of them unless its table starts later: a sliding-window group; a gapped row's its
+        old tokens only, without the new ones); a view of the hot slab when the row's blocks are
+        consecutive hot slots."""
         with self._marking_corrupt():
             lease_row = self.rows[row]
             return self._host.mapper.read_layer(layer, lease_row.read_runs, lease_row.num_tokens)

@@ -83,7 +83,8 @@ class Opening:
             return []
         index = self.store.state.index
         return [r for r, table in enumerate(request.tables)
-                if table and (index.get(table[-1]).ref_count > 1 or index.get(table[-1]).key is not None)]
+                if table and request.new_first_block(r) is None  # (a gapped row never writes its tail)
+                and (index.get(table[-1]).ref_count > 1 or index.get(table[-1]).key is not None)]
 
     def _in_demand_flight(self, block_set: set[int]) -> bool:
         return any(t.batch.mode == ON_DEMAND and b in block_set for b, t in self.store.state.in_flight.items())
@@ -109,11 +110,21 @@ class Opening:
             tables.append(table)
             tiers, slots = self._placements(cache, r, table)
             first = request.first_token(r, block_size)  # the row's tokens from here on
-            rows.append(LeaseRow(table, build.new_blocks[r], build.tail_copies.get(r), tiers, slots,
-                                 mapper.map_range(tiers, slots, request.num_tokens_before - first,
-                                                  request.num_tokens - first),
-                                 mapper.map_range(tiers, slots, 0, request.num_tokens - first),
-                                 request.num_tokens - first))
+            gap_at = request.new_first_block(r)
+            if gap_at is None:
+                rows.append(LeaseRow(table, build.new_blocks[r], build.tail_copies.get(r), tiers, slots,
+                                     mapper.map_range(tiers, slots, request.num_tokens_before - first,
+                                                      request.num_tokens - first),
+                                     mapper.map_range(tiers, slots, 0, request.num_tokens - first),
+                                     request.num_tokens - first))
+                continue
+            # gapped: the old blocks are read (tokens before the step), the new ones written from gap_at on
+            num_old, new_from = len(committed), gap_at * block_size
+            old_tokens = request.num_tokens_before - first
+            rows.append(LeaseRow(table, build.new_blocks[r], None, tiers, slots,
+                                 mapper.map_range(tiers[num_old:], slots[num_old:], 0, request.num_tokens - new_from),
+                                 mapper.map_range(tiers, slots, 0, old_tokens) if old_tokens > 0 else [],
+                                 old_tokens, new_from - request.num_tokens_before))
         cache.placement_version = index.placement_version
         cache.tables = [(row.table, row.tiers, row.slots) for row in rows]
         allocated = build.allocated
@@ -246,12 +257,15 @@ class _Build:
     def allocate_new_blocks(self) -> None:
         request, store = self.request, self.store
         block_size = store.config.block_size
-        needed = [-(-request.num_tokens // block_size) - request.first_token(r, block_size) // block_size - len(table)
+        needed = [-(-request.num_tokens // block_size) - (request.first_token(r, block_size) // block_size + len(table)
+                                                           if request.new_first_block(r) is None
+                                                           else request.new_first_block(r))
                   for r, table in enumerate(request.tables)]
         total = sum(needed)
         if not total:
             return
-        previous = [self.tail_copies[r][1] if r in self.tail_copies else (table[-1] if table else None)
+        previous = [self.tail_copies[r][1] if r in self.tail_copies
+                    else (table[-1] if table and request.new_first_block(r) is None else None)
                     for r, table in enumerate(request.tables)]
         protect = frozenset(self.allocated)
         new_ids = store.allocation.allocate_pinned(request.owner, total, protect, list(zip(needed, previous)),
