@@ -399,3 +399,19 @@ def test_smollm2_figures_match_its_config(tmp_path):
     assert report.kv.used_bytes == 3 * 16 * per_token  # 41 tokens in 3 blocks of 16
     assert report.model.parameters_bytes == sum(p.numel() * p.element_size() for p in smollm2.parameters())
     assert report.run.prompt_tokens == 40 and report.kv.tokens == 41
+
+
+def test_a_hybrid_model_counts_every_layer_group(tmp_path):
+    """Gemma-3-shaped (5 sliding : 1 full, window 10): the report counts each group's blocks (a
+    sliding group only its window) and the fit check uses the same count, before any forward."""
+    hybrid = tiny_model("gemma3")
+    cfg = tier_config("all_hot", tmp_path / "a")
+    cfg["hot"]["capacity_blocks"] = 80
+    report = diagnose(hybrid, None, tiered_kv.load_config(cfg), prompt_tokens=100)
+    tokens = report.kv.tokens
+    full = -(-tokens // BLOCK_SIZE)
+    assert report.model.num_layers == 6 and full < report.kv.blocks <= full + 5 * (-(-9 // BLOCK_SIZE) + 2)
+    assert 0 <= report.kv.waste_slots < 6 * BLOCK_SIZE
+    cfg["hot"]["capacity_blocks"] = report.kv.blocks - 1
+    with pytest.raises(ValueError, match=f"need {report.kv.blocks} blocks"):
+        diagnose(hybrid, None, tiered_kv.load_config(cfg), prompt_tokens=100)

@@ -105,7 +105,7 @@ def diagnose(model, tokenizer, cfg: Config | dict | str | None = None, *,
         hooks.install(model, bank, mode="exact")
         try:
             bank.store.bind(layout, dtype)
-            _check_fits(bank.store, prompt_tokens, new_tokens)
+            _check_fits(bank.store, prompt_tokens, new_tokens, bank.layer_groups)
             report = _measure(model, bank, prompt_ids(tokenizer, prompt_tokens, model.config.vocab_size),
                               new_tokens, device_allocated_before)
         finally:
@@ -116,9 +116,14 @@ def diagnose(model, tokenizer, cfg: Config | dict | str | None = None, *,
     return dataclasses.replace(report, flags=find_flags(report, thresholds))
 
 
-def _check_fits(store, prompt_tokens: int, new_tokens: int) -> None:
+def _check_fits(store, prompt_tokens: int, new_tokens: int, layer_groups=None) -> None:
+    """ValueError when the run cannot fit all tiers: at the prefill's end or the last token, per
+    layer group (a sliding group holds only what its window keeps)."""
     block_size = store.layout.block_size
-    need_blocks = num_blocks_for(prompt_tokens + new_tokens - 1, block_size)
+    groups = layer_groups.groups if layer_groups is not None else ()
+    need_blocks = max(sum(num_blocks_for(n, block_size) - g.first_needed_block(n, block_size) for g in groups)
+                      if groups else num_blocks_for(n, block_size)
+                      for n in (prompt_tokens, prompt_tokens + new_tokens - 1))
     hot, warm, cold = store.capacities
     if need_blocks > store.total_capacity_blocks:
         raise ValueError(
