@@ -85,6 +85,16 @@ class LayerGroups:
     def any_sliding(self) -> bool:
         return any(g.is_sliding for g in self.groups)
 
+    def blocks_held(self, num_tokens: int, num_tokens_before: int | None, block_size: int) -> int:
+        """Blocks one sequence holds in all groups during a step from `num_tokens_before` to
+        `num_tokens` tokens: a sliding group its window before the step and the new blocks it
+        keeps (a long prefill's gap is not stored). None: a sequence at rest at `num_tokens`."""
+        before = num_tokens if num_tokens_before is None else num_tokens_before
+        held_before = -(-before // block_size)
+        total = -(-num_tokens // block_size)
+        return sum(held_before - g.first_needed_block(before, block_size)
+                   + total - max(held_before, g.first_needed_block(num_tokens, block_size)) for g in self.groups)
+
     def __len__(self) -> int:
         return len(self.groups)
 

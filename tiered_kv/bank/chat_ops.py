@@ -111,8 +111,7 @@ class ChatOps:
         for g, row in enumerate(rows):
             if groups[g].is_sliding:
                 if firsts[g] > row.end_block or not row.table:  # what it held is out of the window at `end`
-                    left_window += row.drop_before(row.end_block)
-                    row.first_block = firsts[g]
+                    left_window += row.restart_at(firsts[g])
                 row.table.extend(found[g])
                 left_window += row.drop_before(groups[g].first_needed_block(num_tokens, block_size))
             else:

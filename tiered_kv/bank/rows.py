@@ -52,6 +52,13 @@ class Row:
         self.first_block += count
         return dropped
 
+    def restart_at(self, position: int) -> list[int]:
+        """Release every block and let the table start again at sequence position `position` (in
+        blocks): a sliding row whose whole table left its window. Returns the released ids."""
+        dropped = self.drop_before(self.end_block)
+        self.first_block = position
+        return dropped
+
     def truncate(self, num_tokens: int, block_size: int) -> list[int]:
         """Keep the first `num_tokens` tokens; returns the block ids no longer in the table."""
         num_blocks = max(0, -(-num_tokens // block_size) - self.first_block)
@@ -59,8 +66,8 @@ class Row:
         del self.table[num_blocks:]
         del self.token_ids[num_tokens:]
         del self.keys[num_tokens // block_size:]
-        if not self.table:
-            self.first_block = 0 if num_tokens == 0 else -(-num_tokens // block_size)
+        if num_tokens == 0:
+            self.first_block = 0
         self.num_verified_tokens = min(self.num_verified_tokens, num_tokens)
         self.num_published_blocks = min(self.num_published_blocks, num_tokens // block_size)
         return dropped

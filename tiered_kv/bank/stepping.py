@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..blocks import KVLayout, num_blocks_for
+from ..blocks import KVLayout
 from ..errors import CapacityError, CorruptBlockError, LayoutError
 from ..hooks.attention import clear_expected
 from ..store import PIN_WAIT_S, StepRequest
@@ -178,9 +178,8 @@ class Stepping:
         begins past what it holds (a long prefill): only those are stored (the tokens before
         are attended from the model's own K/V, and left the window by the step's end), so a
         prefill holds about two windows of a sliding group, not all of its tokens. Else None."""
-        gaps, block_size, num_groups = [], self.config.block_size, self._num_groups
-        for s, row in enumerate(self._rows):
-            group = self.layer_groups.groups[s % num_groups]
+        gaps, block_size = [], self.config.block_size
+        for row, group in self._rows_and_groups():
             kept_from = group.first_needed_block(step.num_tokens, block_size) if group.is_sliding else 0
             gaps.append(kept_from if kept_from > row.end_block else None)
         return gaps
@@ -194,22 +193,20 @@ class Stepping:
         step, store = self._step, self.store
         lease = step.lease
         replaced, published, left_window = [], [], []
-        groups, num_groups, block_size = self.layer_groups.groups, self._num_groups, self.config.block_size
-        for s, row in enumerate(self._rows):
+        num_groups, block_size = self._num_groups, self.config.block_size
+        for s, (row, group) in enumerate(self._rows_and_groups()):
             leased = lease.rows[s]
             if leased.tail_copy is not None:
                 old_tail, row.table[-1] = leased.tail_copy
                 replaced.append(old_tail)
             if leased.skipped_new_tokens:  # gapped (see _gaps): what it held is out of the window
-                left_window += row.drop_before(row.end_block)
-                row.first_block = (self._seq_len + leased.skipped_new_tokens) // block_size
+                left_window += row.restart_at((self._seq_len + leased.skipped_new_tokens) // block_size)
             row.table.extend(leased.new_blocks)
             inputs = step.inputs[s // num_groups]
             if inputs.token_ids is not None and len(row.token_ids) == self._seq_len:
                 row.token_ids.extend(inputs.token_ids)
                 if inputs.verified and row.num_verified_tokens == self._seq_len:
                     row.num_verified_tokens = step.num_tokens
-            group = groups[s % num_groups]
             if group.is_sliding:  # what the window left is never read again: not published, freed
                 left_window += row.drop_before(group.first_needed_block(step.num_tokens, block_size))
             published += self._publishable(row, s % num_groups)
@@ -297,11 +294,7 @@ class Stepping:
         if not self.store.is_bound:
             return
         block_size = self.config.block_size
-        before = num_tokens if num_tokens_before is None else num_tokens_before
-        held_before = num_blocks_for(before, block_size)  # what a row holds before the step, and the new blocks
-        total_blocks = num_rows * sum(
-            held_before - g.first_needed_block(before, block_size) + num_blocks_for(num_tokens, block_size)
-            - max(held_before, g.first_needed_block(num_tokens, block_size)) for g in self.layer_groups.groups)
+        total_blocks = num_rows * self.layer_groups.blocks_held(num_tokens, num_tokens_before, block_size)
         if total_blocks > self.store.total_capacity_blocks:
             hot, warm, cold = self.store.capacities
             raise CapacityError(

@@ -29,6 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..blocks import model_layer_groups
 from ..errors import LayoutError
+from ..logs import log_once
 from .attention import exact_attention, fast_attention, merge_attention
 
 MODES = {"exact": ("tiered_kv_exact", exact_attention), "fast": ("tiered_kv_fast", fast_attention),
@@ -36,7 +37,6 @@ MODES = {"exact": ("tiered_kv_exact", exact_attention), "fast": ("tiered_kv_fast
 MODE_OF_IMPLEMENTATION = {name: mode for mode, (name, _) in MODES.items()}  # what CacheBank.hooks_mode reads
 _STATE_ATTR = "_tiered_kv_hooks"
 log = logging.getLogger(__name__)
-_said_pass_through: set[str] = set()
 
 for _name, _function in MODES.values():
     AttentionInterface.register(_name, _function)
@@ -76,11 +76,9 @@ def install(model, bank, mode: str = "exact") -> None:
     reason = pass_through_reason(model)
     if reason is not None:  # transformers' own attention stays: the bank serves it through update()
         model_type = getattr(model.config, "model_type", type(model).__name__)
-        if model_type not in _said_pass_through:
-            _said_pass_through.add(model_type)
-            log.warning("tiered_kv.hooks: model type %r %s, which the hooks' sdpa would drop; its attention "
-                        "stays transformers' own and CacheBank serves it through update() (nothing was patched)",
-                        model_type, reason)
+        log_once(log, logging.WARNING, "tiered_kv.hooks: model type %r %s, which the hooks' sdpa would drop; "
+                 "its attention stays transformers' own and CacheBank serves it through update() (nothing was "
+                 "patched)", model_type, reason)
         return
     state = getattr(model, _STATE_ATTR, None)
     previous = state.previous_implementation if state is not None else model.config._attn_implementation

@@ -34,7 +34,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .. import hooks
 from ..bank import CacheBank
-from ..blocks import layout_from_model_config, num_blocks_for
+from ..blocks import layout_from_model_config
 from ..config import Config, load_config
 from ..blocks import HOT, TIER_NAMES
 from .diagnose_flags import Thresholds, find_flags
@@ -116,14 +116,12 @@ def diagnose(model, tokenizer, cfg: Config | dict | str | None = None, *,
     return dataclasses.replace(report, flags=find_flags(report, thresholds))
 
 
-def _check_fits(store, prompt_tokens: int, new_tokens: int, layer_groups=None) -> None:
+def _check_fits(store, prompt_tokens: int, new_tokens: int, layer_groups) -> None:
     """ValueError when the run cannot fit all tiers: at the prefill's end or the last token, per
     layer group (a sliding group holds only what its window keeps)."""
     block_size = store.layout.block_size
-    groups = layer_groups.groups if layer_groups is not None else ()
-    need_blocks = max(sum(num_blocks_for(n, block_size) - g.first_needed_block(n, block_size) for g in groups)
-                      if groups else num_blocks_for(n, block_size)
-                      for n in (prompt_tokens, prompt_tokens + new_tokens - 1))
+    need_blocks = max(layer_groups.blocks_held(prompt_tokens, 0, block_size),
+                      layer_groups.blocks_held(prompt_tokens + new_tokens - 1, None, block_size))
     hot, warm, cold = store.capacities
     if need_blocks > store.total_capacity_blocks:
         raise ValueError(
