@@ -1,6 +1,13 @@
 #!/usr/bin/env python
-"""What durability costs a decode step: tokens/s of a decoding chat while another chat's verified
-blocks are pushed into the cold tier and made durable, with `cold.fsync: true` vs `false`.
+"""What durability costs a decode step, in two experiments (`--experiment`, default both):
+
+fsync: tokens/s of a decoding chat while another chat's verified blocks are pushed into the cold
+tier and made durable, with `cold.fsync: true` vs `false` (below);
+
+write_behind: tokens/s of a chat decoding right after its prefill, while write-behind gives that
+prefill's published blocks (and each new full block) durable copies in cold, `cold.write_behind_s:
+1` vs `0` (off), with an A/A control (off vs off) in the same rounds: per round the three runs in a
+rotating order; medians. Target (issue 19): on/off >= 0.97 beside an A/A ratio that shows the noise.
 
 Model: SmolLM2-135M's KV shape with almost no compute (bench/overhead.py's), so the cache's own
 work shows. Per round and setting, a fresh store whose hot tier holds exactly chat A's context plus
@@ -10,6 +17,7 @@ one of B's published blocks into cold, which persists it (data, fdatasync when f
 row) on the cold tier's writer thread. Rounds alternate the two settings (A B A B ...); medians.
 
     python bench/durability.py                          # 2k context, 256 decode tokens, 3 rounds
+    python bench/durability.py --experiment write_behind --rounds 5
     python bench/durability.py --context-tokens 64 --idle-tokens 64 --decode-tokens 32 --rounds 1   # smoke
 """
 
@@ -42,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=256, help="one-token steps of chat A per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per setting (medians)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--experiment", choices=("fsync", "write_behind", "both"), default="both")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     return parser.parse_args(argv)
 
@@ -79,11 +88,66 @@ def one_round(model, args, fsync: bool, seed: int) -> dict:
                 "flush_after_s": flush_s}
 
 
+def write_behind_round(model, args, write_behind_s: float, seed: int) -> dict:
+    """Chat A prefills `--context-tokens` through the model (published) and decodes at once."""
+    with tempfile.TemporaryDirectory(prefix="tiered_kv-write-behind-") as cold_dir:
+        blocks = math.ceil((args.context_tokens + args.decode_tokens) / BLOCK_SIZE) + 2
+        cfg = {"block_size": BLOCK_SIZE, "hot": {"device": "cpu", "capacity_blocks": blocks},
+               "warm": {"capacity": 0},
+               "cold": {"capacity_blocks": blocks, "path": cold_dir, "write_behind_s": write_behind_s}}
+        store = tiered_kv.TierStore(cfg)
+        bank = tiered_kv.CacheBank(model, store=store)
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, model.config.vocab_size, (1, args.context_tokens), generator=generator)
+        with torch.no_grad():
+            out = model(ids, cache=bank)
+            token = out.logits[:, -1:].argmax(-1)
+            start = time.perf_counter()
+            for _ in range(args.decode_tokens):
+                token = model(token, cache=bank).logits[:, -1:].argmax(-1)
+            decode_s = time.perf_counter() - start
+        copies = store.stats()["durability"]["copies_written"]
+        bank.close()
+        store.close()
+        return {"write_behind_s": write_behind_s, "tokens_per_s": args.decode_tokens / decode_s,
+                "copies_during_decode": copies}
+
+
+def run_write_behind(model, args) -> dict:
+    rows, settings = [], [("on", 1.0), ("off", 0.0), ("off_again", 0.0)]
+    for round_index in range(args.rounds):
+        order = settings[round_index % 3:] + settings[:round_index % 3]
+        for name, interval in order:
+            row = write_behind_round(model, args, interval, seed=200 + round_index)
+            row.update(round=round_index, setting=name)
+            rows.append(row)
+            print(f"  round {round_index} write-behind {name:9}: {row['tokens_per_s']:.1f} tok/s, "
+                  f"{row['copies_during_decode']} durable copies", flush=True)
+    medians = {name: statistics.median(r["tokens_per_s"] for r in rows if r["setting"] == name)
+               for name, _ in settings}
+    result = {"rows": rows, "median_tokens_per_s": medians, "ratio_on_over_off": medians["on"] / medians["off"],
+              "ratio_aa_off_again_over_off": medians["off_again"] / medians["off"]}
+    print(f"decode right after a prefill, write-behind on {medians['on']:.1f} tok/s vs off {medians['off']:.1f} "
+          f"tok/s -> {result['ratio_on_over_off']:.3f}x (target >= 0.97); A/A control (off vs off) "
+          f"{result['ratio_aa_off_again_over_off']:.3f}x")
+    return result
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model = build_model(0, args.context_tokens + args.decode_tokens + 16)
     load_before, started = os.getloadavg(), time.perf_counter()
+    write_behind = run_write_behind(model, args) if args.experiment in ("write_behind", "both") else None
+    if args.experiment == "write_behind":
+        load_after = os.getloadavg()
+        print(f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after, {os.cpu_count()} cores, "
+              f"{time.perf_counter() - started:.0f} s")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "write_behind": write_behind,
+                           "load_average": [load_before[0], load_after[0]]}, f, indent=2)
+        return 0
     rows = []
     for round_index in range(args.rounds):
         for fsync in ((True, False) if round_index % 2 == 0 else (False, True)):
@@ -103,7 +167,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "median_tokens_per_s": {str(k).lower(): v
                        for k, v in medians.items()}, "ratio_fsync_true_over_false": ratio,
-                       "load_average": [load_before[0], load_after[0]]}, f, indent=2)
+                       "write_behind": write_behind, "load_average": [load_before[0], load_after[0]]}, f, indent=2)
     return 0
 
 

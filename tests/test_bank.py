@@ -230,21 +230,28 @@ def test_offloaded_history_comes_back_for_the_next_turn(tier, tmp_path):
     bank.close()
 
 
-def test_a_second_store_on_a_busy_cold_directory_runs_without_cold(tmp_path, caplog):
-    """One writer per cold directory: a second store (a second chat on the same config) warns and
-    runs on hot and warm alone, correctly, instead of failing or sharing the file unsafely."""
+def test_a_store_that_finds_every_block_file_held_runs_read_only_on_cold(tmp_path, caplog, monkeypatch):
+    """Every process on a cold directory writes a block file of its own; when all of them are held
+    (here: at most one), a further store warns, runs on hot and warm of its own, correctly, and
+    still reads the other stores' durable records there."""
+    from tiered_kv.tiers import cold_format
+    monkeypatch.setattr(cold_format, "MAX_FILES", 1)
     config = tier_config("forces_cold", tmp_path)
     config["warm"]["capacity_blocks"] = 64
     model = tiny_model("llama")
-    first = tiered_kv.TierStore(config)
+    first = tiered_kv.CacheBank(model, config)
+    ids = _ids(80, 30)
+    out = model.generate(ids, cache=first, max_new_tokens=4, do_sample=False)
+    assert first.store.flush()
     with caplog.at_level("WARNING", logger="tiered_kv"):
         second = tiered_kv.CacheBank(model, config)
-    assert "in use by another TierStore" in caplog.text
+    assert "all 1 block files of this layout are held" in caplog.text and "read-only on cold" in caplog.text
     cold = second.stats()["tiers"]["cold"]
     assert cold["capacity_blocks"] == 0 and cold["device"].startswith("unavailable: ")
-    ids = _ids(80, 30)
-    out = model.generate(ids, cache=second, max_new_tokens=4, do_sample=False)
-    assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
+    follow = torch.cat([out, _ids(81, 3)], 1)
+    assert second.attach(follow) == (out.shape[1] - 1) // 4 * 4  # the first store's records, read-only
+    assert torch.equal(model.generate(follow, cache=second, max_new_tokens=4, do_sample=False),
+                       model.generate(follow, max_new_tokens=4, do_sample=False))
     second.close()
     first.close()
     third = tiered_kv.TierStore(config)  # released on close: the next store has its cold tier

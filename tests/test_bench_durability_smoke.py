@@ -20,3 +20,8 @@ def test_durability_bench_smallest_size(tmp_path):
         assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0
         assert row["hot_to_cold_bytes"] > 0  # the idle chat's verified blocks really went to cold
     assert result["ratio_fsync_true_over_false"] > 0
+    write_behind = result["write_behind"]
+    assert {row["setting"] for row in write_behind["rows"]} == {"on", "off", "off_again"}
+    assert all(row["copies_during_decode"] > 0 for row in write_behind["rows"] if row["setting"] == "on")
+    assert all(row["copies_during_decode"] == 0 for row in write_behind["rows"] if row["setting"] != "on")
+    assert write_behind["ratio_on_over_off"] > 0 and write_behind["ratio_aa_off_again_over_off"] > 0

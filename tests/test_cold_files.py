@@ -135,17 +135,36 @@ def test_a_symlink_at_the_path_itself_is_followed(tmp_path, private_dir):
     directory.close()
 
 
-def test_the_lock_is_exclusive_across_processes_and_released_on_close(private_dir):
+def test_a_block_file_is_held_across_processes_and_released_on_close(private_dir):
+    """A process holding block file 0 makes another claim file 1; once it closes, file 0 is free."""
     directory = open_cold_directory(str(private_dir))
+    tier = ColdTier(LAYOUT, 4, directory, backend="posix")
     probe = ("import sys; from tiered_kv.tiers.cold_files import open_cold_directory\n"
-             "try:\n    open_cold_directory(sys.argv[1]).close(); print('opened')\n"
-             "except ValueError as e:\n    print(e)")
+             "from tiered_kv.tiers import ColdTier\nfrom tiered_kv.blocks import KVLayout\n"
+             "layout = KVLayout(2, 2, 4, 4, 'float32')\n"
+             "d = open_cold_directory(sys.argv[1]); t = ColdTier(layout, 4, d, backend='posix')\n"
+             "print(t.file_number); t.close(); d.close()")
     other = [sys.executable, "-c", probe, str(private_dir)]
     cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    held = subprocess.run(other, capture_output=True, text=True, cwd=cwd, check=True).stdout
-    assert "is in use by another TierStore" in held
+    assert subprocess.run(other, capture_output=True, text=True, cwd=cwd, check=True).stdout.strip() == "1"
+    tier.close()
     directory.close()
-    assert subprocess.run(other, capture_output=True, text=True, cwd=cwd, check=True).stdout.strip() == "opened"
+    assert subprocess.run(other, capture_output=True, text=True, cwd=cwd, check=True).stdout.strip() == "0"
+
+
+def test_a_start_lock_held_too_long_is_a_clear_error(private_dir):
+    from tiered_kv.errors import ColdPathInUseError
+    holder, other = open_cold_directory(str(private_dir)), open_cold_directory(str(private_dir))
+    try:
+        with holder.start_lock():
+            with pytest.raises(ColdPathInUseError, match=r"'cold\.path'.*held its \.lock for over"):
+                with other.start_lock(wait_s=0.2):
+                    pass
+        with other.start_lock(wait_s=0.2):  # released: had at once
+            pass
+    finally:
+        holder.close()
+        other.close()
 
 
 # --- names planted inside --------------------------------------------------------------------

@@ -263,9 +263,11 @@ def test_saturation_and_fragmentation_flags_follow_the_config_thresholds(model, 
     assert [f.config_key for f in find_flags(off)] == ["scheduler.background"]
 
 
-def test_a_cold_directory_held_by_another_store_is_flagged(model, tmp_path):
+def test_a_cold_directory_held_by_another_store_is_flagged(model, tmp_path, monkeypatch):
+    from tiered_kv.tiers import cold_format
+    monkeypatch.setattr(cold_format, "MAX_FILES", 1)  # one block file per layout: the holder's
     cfg = config(tmp_path, 16, cold_blocks=8)
-    holder = tiered_kv.TierStore(cfg)  # takes the cold directory's writer lock
+    holder = tiered_kv.CacheBank(model, cfg)  # claims the cold directory's block file
     try:
         report = diagnose(model, None, cfg, prompt_tokens=40, new_tokens=NEW_TOKENS)
     finally:

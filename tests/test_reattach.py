@@ -87,8 +87,9 @@ def test_a_new_process_reattaches_from_cold(tmp_path):
 
 
 def test_two_processes_on_one_cold_path_at_once(tmp_path):
-    """A second process on the same config while the first runs: it gets no cold tier (one
-    writer per directory), chats correctly on hot and warm, and the first keeps its cold tier."""
+    """A second process on the same config while the first runs: both have a cold tier, each its
+    own block file in the directory (issue 19: many processes, one cold directory), and the second
+    chats correctly."""
     cold_dir = tmp_path / "cold"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
@@ -106,7 +107,8 @@ def test_two_processes_on_one_cold_path_at_once(tmp_path):
         config = tier_config("forces_cold", cold_dir)
         config["warm"]["capacity_blocks"] = 64
         bank = tiered_kv.CacheBank(model, config)
-        assert bank.stats()["tiers"]["cold"]["capacity_blocks"] == 0
+        assert bank.stats()["tiers"]["cold"]["capacity_blocks"] == 256
+        assert len(list(cold_dir.glob("*.blocks"))) == 2
         ids = rand_ids(7, 30)
         assert torch.equal(greedy(model, ids, bank, 5), greedy(model, ids, DynamicCache(config=model.config), 5))
         bank.close()

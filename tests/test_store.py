@@ -489,7 +489,7 @@ def test_stats_report_every_tier(make_store):
     stats = store.stats()
     assert set(stats) == {"tiers", "hits", "misses", "bytes_moved", "link_saturation",  # today's keys, and
                           "hit_rate", "turn_blocks", "moves", "bytes_on_demand", "bytes_background",
-                          "critical_path", "scheduler", "fragmentation", "contiguity", "contiguity_min",
+                          "critical_path", "scheduler", "fragmentation", "contiguity", "contiguity_min", "durability",
                           "block_size", "metrics", "remote", "copies"}
     assert stats["block_size"] == {"tokens": store.config.block_size, "auto": False}
     assert stats["tiers"]["hot"] == {"used_blocks": 2, "capacity_blocks": 2, "used_bytes": 1024,
@@ -497,7 +497,8 @@ def test_stats_report_every_tier(make_store):
     assert stats["tiers"]["warm"] == {"used_blocks": 2, "capacity_blocks": 3, "used_bytes": 1024,
                                       "capacity_bytes": 1536, "device": "cpu"}
     assert stats["tiers"]["cold"] == {"used_blocks": 0, "capacity_blocks": 4, "used_bytes": 0,
-                                      "capacity_bytes": 2048, "device": store.tiers[COLD].file_path}
+                                      "capacity_bytes": 2048, "device": store.tiers[COLD].file_path,
+                                      "copies_blocks": 0}
     assert stats["hits"] == {"hot": 2, "warm": 1, "cold": 0}
     assert stats["misses"] == 0
     assert stats["bytes_moved"] == NO_BYTES_MOVED

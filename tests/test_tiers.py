@@ -357,12 +357,26 @@ def test_cold_path_that_is_a_regular_file_raises_config_error(tmp_path):
         open_cold_directory(str(regular))
 
 
-def test_second_cold_directory_on_the_same_path_raises_in_use(tmp_path):
-    first = open_cold_directory(str(tmp_path / "cold"))
-    with pytest.raises(ConfigError, match=r"config key 'cold\.path': .* is in use by another TierStore"):
-        open_cold_directory(str(tmp_path / "cold"))
+def test_stores_on_one_path_each_claim_a_block_file_and_a_free_one_is_taken_over(tmp_path):
+    """Two tiers on one directory (two stores) write files 0 and 1; once the first closes, a third
+    takes file 0 over, with the records the first made durable there."""
+    first_dir, second_dir = open_cold_directory(str(tmp_path / "cold")), open_cold_directory(str(tmp_path / "cold"))
+    first = ColdTier(LAYOUT, 2, first_dir, backend="posix")
+    second = ColdTier(LAYOUT, 2, second_dir, backend="posix")
+    assert (first.file_number, second.file_number) == (0, 1) and first.file_path != second.file_path
+    first.write_blocks([1], torch.ones((1, *LAYOUT.record_shape())))
+    first.persist(1, b"k" * 16, b"r" * 16)
+    first.flush()
     first.close()
-    open_cold_directory(str(tmp_path / "cold")).close()  # released on close
+    first_dir.close()
+    third_dir = open_cold_directory(str(tmp_path / "cold"))
+    third = ColdTier(LAYOUT, 2, third_dir, backend="posix")
+    try:
+        assert third.file_number == 0 and third.durable_records() == [(1, b"k" * 16, b"r" * 16)]
+    finally:
+        for tier, directory in ((second, second_dir), (third, third_dir)):
+            tier.close()
+            directory.close()
 
 
 def test_cold_tiers_of_different_layouts_share_a_directory(cold_directory):

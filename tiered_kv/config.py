@@ -33,6 +33,7 @@ __all__ = ["ALLOWED_BACKENDS", "ALLOWED_COPY_ENGINES", "ALLOWED_POLICIES", "Bloc
            "Config", "CopiesConfig", "HotConfig", "MetricsConfig", "RemoteConfig", "SchedulerConfig", "WarmConfig", "load_config", "parse_size"]
 
 ALLOWED_BACKENDS = ("auto", "posix", "kvikio")
+ALLOWED_ADMIT = ("published", "reused", "all")  # cold.admit: which blocks get a durable copy
 ALLOWED_POLICIES = ("lru", "lfu", "fifo", "ali")
 ALLOWED_PINNED = ("auto", "true", "false")
 ALLOWED_WARM_LAYOUTS = ("auto", "records", "paged")
@@ -207,11 +208,17 @@ class ColdConfig(_TierConfig):
     """Cold tier: preallocated file(s) of block slots under `path` (after ~ and $VAR expansion).
 
     The path is neither created nor checked here; the store does that when it starts.
-    `fsync` makes writes durable before the index records them.
+    `fsync` makes writes durable before the index records them. `write_behind_s`: a published block
+    in hot or warm gets a durable copy in cold within this many seconds (0: off; a crash then loses
+    what was above cold). `admit`: which blocks get one: "published" (every block this process
+    computed and verified), "reused" (only once a second turn or chat read it: spares the drive),
+    "all" (also blocks that came from another process or the remote tier).
     """
     path: str = "~/.cache/tiered_kv/cold"
     backend: str = "auto"
     fsync: bool = True
+    write_behind_s: float = 1.0
+    admit: str = "published"
 
     SECTION: ClassVar[str] = "cold"
     DEFAULT_CAPACITY_BYTES: ClassVar[int] = 8 * 2**30
@@ -226,6 +233,13 @@ class ColdConfig(_TierConfig):
             raise _error("cold.backend", self.backend, _choices(ALLOWED_BACKENDS))
         if not isinstance(self.fsync, bool):
             raise _error("cold.fsync", self.fsync, "true or false")
+        if isinstance(self.write_behind_s, bool) or not isinstance(self.write_behind_s, (int, float)) \
+                or not 0 <= self.write_behind_s <= 3600:
+            raise _error("cold.write_behind_s", self.write_behind_s,
+                         "a number of seconds from 0 (off) to 3600")
+        object.__setattr__(self, "write_behind_s", float(self.write_behind_s))
+        if self.admit not in ALLOWED_ADMIT:
+            raise _error("cold.admit", self.admit, _choices(ALLOWED_ADMIT))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -544,7 +558,8 @@ class Config:
 _WATERMARK_KEYS = ("high_watermark", "low_watermark")
 _SECTION_KEYS = {"hot": ("device", "capacity", "capacity_blocks", *_WATERMARK_KEYS),
                  "warm": ("capacity", "capacity_blocks", "pinned", "layout", *_WATERMARK_KEYS),
-                 "cold": ("path", "capacity", "capacity_blocks", "backend", "fsync", *_WATERMARK_KEYS),
+                 "cold": ("path", "capacity", "capacity_blocks", "backend", "fsync", "write_behind_s", "admit",
+                          *_WATERMARK_KEYS),
                  "scheduler": tuple(f.name for f in dataclasses.fields(SchedulerConfig)),
                  "metrics": tuple(f.name for f in dataclasses.fields(MetricsConfig)),
                  "remote": tuple(f.name for f in dataclasses.fields(RemoteConfig)),

@@ -219,6 +219,17 @@ class Metrics:
                                 "(close_no_room: cold had no slot; close_write_failed: moving them there failed)",
                                 ("reason",))
         self.write_errors = c("write_errors_total", "Failed durable writes, by errno name", ("tier", "error"))
+        # durable copies in cold of blocks above it (write-behind; store/durable_copies.py)
+        self.copies_written = c("durable_copies_written_total", "Durable copies written into cold behind blocks "
+                                "that stay in hot or warm")
+        self.copies_failed = c("durable_copies_failed_total", "Durable copies that could not be written (the block "
+                               "stayed where it was), by errno name", ("error",))
+        self.adopted_copies = c("adopted_copies_total", "Blocks that went down into cold by taking their durable "
+                                "copy's slot (nothing written)")
+        self.cold_bytes_written = c("cold_bytes_written_total", "Bytes of block data written into cold (moves and "
+                                    "durable copies): divide by tokens_computed_total for the drive's wear per token")
+        self.peer_hits = c("peer_hits_total", "Blocks a local miss found in another process's cold file on the same "
+                           "cold.path (checked, brought in)")
         # the shared remote tier (tiered_kv/remote/)
         self.remote_hits = c("remote_hits_total", "Blocks a local miss found on the remote server (checked, brought in)")
         self.remote_misses = c("remote_misses_total", "Remote lookups that stopped at a block, by why "

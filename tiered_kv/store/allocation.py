@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from ..blocks import HOT
+from ..blocks import COLD, HOT
 from ..errors import CapacityError, CorruptBlockError
 from ..metrics.registry import ON_DEMAND
 from .demand import MAX_ROUNDS, DemandResult
@@ -83,7 +83,7 @@ class Allocation:
                     return block_ids
                 batch = store.transfers.prepare(plan.moves, ON_DEMAND, movable)
                 if not batch.transfers:
-                    if batch.num_evictions:
+                    if batch.settled_at_prepare:
                         continue
                     raise Retry()  # the moves need slots that copies in flight still hold
             store.demand.run_batch(batch)
@@ -109,6 +109,8 @@ class Allocation:
             group = tiers[start:start + count]
             start += count
             hot_slots = self._hot_slots(group.count(HOT), previous, follow is not None, owner)
+            if COLD in group:
+                state.cold_room(group.count(COLD))  # slots holding only durable copies give way
             for tier in group:
                 slot = hot_slots.pop(0) if tier == HOT else state.pools[tier].allocate(1)[0]
                 block_ids.append(state.index.add(tier, slot))

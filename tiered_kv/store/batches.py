@@ -38,6 +38,7 @@ class TransferBatch:
     error: BaseException | None = None  # raised by launch (or recorded by the engine on the event)
     frees: list[tuple[int, int]] = field(default_factory=list)  # slots to free once the copies are done
     num_evictions: int = 0
+    num_adopted: int = 0  # moves into cold done at prepare by taking a durable copy's slot (nothing copied)
     started_s: float = 0.0
     quiet: bool = False  # the caller reports a failure itself (the moves to cold at close)
     # filled by complete():
@@ -45,6 +46,11 @@ class TransferBatch:
     corrupt: list[int] = field(default_factory=list)
     failed: list[Transfer] = field(default_factory=list)
     completed: bool = False
+
+    @property
+    def settled_at_prepare(self) -> int:
+        """Moves of the plan done without a copy (evictions, adopted copies)."""
+        return self.num_evictions + self.num_adopted
 
     @property
     def failure(self) -> BaseException | None:

@@ -6,18 +6,23 @@ closes it); nothing here keeps state.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from ..blocks import COLD, HOT, TIER_NAMES, WARM, KVLayout
+from ..errors import ColdPathInUseError
 from ..hw.block_copy import BlockCopier, device_staging
 from ..metrics.registry import BACKGROUND, ON_DEMAND
 from ..pool import SlotPool
 from ..scheduler.mem_scheduler import Watermarks
 from ..tiers import ColdTier, HotTier
+from ..tiers.cold_peers import PeerFiles
 from ..tiers.warm import warm_tier
 from .copies import Staging
+
+log = logging.getLogger(__name__)
 
 STAGING_BYTES = 32 * 2**20  # host staging for on-demand batches into and out of cold
 # device staging for batched hot<->warm moves (hw/block_copy.py), on a CUDA store only; capped at
@@ -32,13 +37,30 @@ def capacities_of(config, layout: KVLayout, has_cold: bool) -> list[int]:
 
 
 def build_tiers(config, layout: KVLayout, dtype: torch.dtype, device, pinned: bool, cold_directory, made: list):
-    """(tiers, pools) for `layout`; each tier is appended to `made` as soon as it exists."""
+    """(tiers, pools, why cold is unavailable or None) for `layout`; each tier is appended to `made`
+    as soon as it exists. A store that cannot claim a block file of its own on the cold directory
+    runs without a cold tier, reading the other stores' records there (read-only)."""
     capacities = capacities_of(config, layout, cold_directory is not None)
     made.append(HotTier(layout, capacities[HOT], device, dtype))
     made.append(warm_tier(layout, capacities[WARM], dtype, pinned, config.warm.layout, device))
-    made.append(ColdTier(layout, capacities[COLD], cold_directory, config.cold.backend, config.cold.fsync)
-                if capacities[COLD] > 0 else None)
-    return list(made), [SlotPool(n, TIER_NAMES[t]) for t, n in enumerate(capacities)]
+    cold, unavailable = None, None
+    if capacities[COLD] > 0:
+        try:
+            cold = ColdTier(layout, capacities[COLD], cold_directory, config.cold.backend, config.cold.fsync)
+        except ColdPathInUseError as error:
+            unavailable = str(error)
+            log.warning("%s; this store runs read-only on cold (hot and warm of its own; it reads the other stores' "
+                        "durable records there)", error)
+            capacities[COLD] = 0
+    made.append(cold)
+    return list(made), [SlotPool(n, TIER_NAMES[t]) for t, n in enumerate(capacities)], unavailable
+
+
+def peers_of(cold_directory, layout: KVLayout, cold) -> PeerFiles | None:
+    """The other stores' block files on the cold directory (read-only), when there is one."""
+    if cold_directory is None:
+        return None
+    return PeerFiles(cold_directory, layout, cold.file_number if cold is not None else None)
 
 
 def build_staging(layout: KVLayout, dtype: torch.dtype, device, pinned: bool, capacities: list[int]) -> dict:

@@ -25,6 +25,7 @@ from ..hw.block_copy import BlockCopier
 from ..hw.copy_engine import CopyEvent
 
 MOVE, COPY, READ_OUT, WRITE_IN = "move", "copy", "read_out", "write_in"
+BACKUP = "backup"  # a durable copy into cold of a block that stays where it is (write_behind.py)
 
 
 class Staging:
@@ -61,7 +62,7 @@ def run(tiers: list, transfers: list, staging: Staging, engine, metrics) -> None
     """Copy every transfer's bytes: one unit of the copy engine (see the module docstring)."""
     groups: dict[tuple[str, int, int], list] = {}
     for t in transfers:
-        kind = MOVE if t.kind == COPY else t.kind  # a copy-on-write copies as a move does
+        kind = MOVE if t.kind in (COPY, BACKUP) else t.kind  # a copy-on-write or backup copies as a move does
         groups.setdefault((kind, t.src_tier, t.dst_tier), []).append(t)
     for (kind, src_tier, dst_tier), group in groups.items():
         if kind == READ_OUT:

@@ -65,12 +65,12 @@ class DemandMoves:
                 batch = self.transfers.prepare(plan.moves, ON_DEMAND, movable)
                 batch.quiet = quiet
                 if not batch.transfers:
-                    if batch.num_evictions:
+                    if batch.settled_at_prepare:
                         continue
                     break  # nothing can move now
             self.run_batch(batch)
             result.add(batch)
-            if len(batch.committed) + batch.num_evictions == len(plan.moves):
+            if len(batch.committed) + batch.settled_at_prepare == len(plan.moves):
                 break  # every move of the plan landed: planning again would find none
         return result
 

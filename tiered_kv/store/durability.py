@@ -1,20 +1,27 @@
-"""The store's side of the durable cold tier: durable records in at start, published blocks out at close.
+"""The store's side of the durable cold tier: durable records in at start, write-behind of what is
+published, published blocks out at close.
 
 At bind, the records an earlier process left durable in the cold tier become cached published
-blocks (attach() finds them by key); when the store closes, its published blocks move down to
-cold, most recent first as room allows (through the transfers, like every move), and it waits
-until they are durable.
+blocks (attach() finds them by key). A block published in cold is persisted at once; one published
+above cold waits for its durable copy (durable_copies.py, written behind by the mover, or now by
+`flush`). When the store closes, its published blocks move down to cold, most recent first as room
+allows (through the transfers, like every move; a block with a copy just takes its slot), and it
+waits until they are durable.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 
 from ..blocks import COLD, HOT, WARM
 from ..hw.block_io import ColdWriteError
 from ..logs import error_name
+from ..metrics.registry import ON_DEMAND
 from ..pool import SlotPool
+from . import write_behind
+from .copies import BACKUP
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,48 @@ def import_durable_records(index, cold, pool: SlotPool) -> None:
     if duplicates:  # nothing is lost: the first record of each key serves it
         log.info("cold tier %s: dropped %d duplicate durable record(s) (a second record of one key, left by a "
                  "crash mid-move)", cold.file_path, len(duplicates))
+
+
+def published(store, items: list[tuple[int, bytes, bytes | None]], local: bool) -> None:
+    """Blocks just published (store lock held): durable now when in cold, due for a durable copy
+    when above it, queued for the remote writer."""
+    state, above = store.state, []
+    for block_id, key, root in items:
+        state.persist_if_published(block_id)
+        if root is not None and state.index.get(block_id).tier in (HOT, WARM):
+            above.append(block_id)
+        if store.remote is not None and root is not None and local:
+            store.remote.enqueue(block_id, key, root)  # written behind, by the remote writer
+    if above and state.copies is not None and store.config.cold.write_behind_s:
+        state.copies.published(above, local, time.monotonic())
+
+
+def flush(store, timeout_s: float) -> bool:
+    """Every block due for a durable copy gets it now, and every record is durable (or known not to
+    be: False, as when `timeout_s` passed). Called without the lock."""
+    if not store.is_bound or store.state.copies is None:
+        return True
+    state, deadline = store.state, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        version = store.change_version
+        with store.lock:
+            if store.is_closed:
+                return False
+            state.drain()
+            due = state.copies.due(time.monotonic(), 1.0, len(state.copies.pending), force=True)
+            batch = write_behind.prepare_backups(store.transfers, due, ON_DEMAND) if due else None
+            busy = any(t.kind == BACKUP for t in state.in_flight.values())
+        if batch is not None and batch.transfers:
+            store.demand.run_batch(batch)
+        elif busy or due:  # copies (or moves of blocks due) still in flight
+            store.wait_for_change(version, min(0.05, deadline - time.monotonic()))
+        else:
+            break
+    try:
+        state.tiers[COLD].flush()
+    except (ColdWriteError, ValueError):
+        return False
+    return time.monotonic() < deadline
 
 
 def persist_before_close(store) -> None:

@@ -26,6 +26,7 @@ from ..blocks import COLD, DROPPED, HOT, WARM
 from ..hw.block_io import ColdWriteError
 from ..metrics.registry import BACKGROUND
 from ..scheduler import Plan
+from . import write_behind
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +140,14 @@ class Mover:
             if store.is_closing:
                 return False
             store.state.drain()
-            plan, leave_alone = self._next_plan()
-            if plan is None or not plan.moves:
-                return False
-            batch = store.transfers.prepare(plan.moves, BACKGROUND, leave_alone)
-            if not batch.transfers:
-                return batch.num_evictions > 0
+            batch = self._backups()
+            if batch is None:
+                plan, leave_alone = self._next_plan()
+                if plan is None or not plan.moves:
+                    return False
+                batch = store.transfers.prepare(plan.moves, BACKGROUND, leave_alone)
+                if not batch.transfers:
+                    return batch.settled_at_prepare > 0
             self.busy = True
         try:
             store.transfers.run(batch)  # launch and wait for the copies, without the lock
@@ -171,6 +174,17 @@ class Mover:
             self._cold_backoff_s = min(COLD_BACKOFF_MAX_S, 2 * self._cold_backoff_s)
         elif into_cold and batch.failure is None:
             self._cold_backoff_s = COLD_BACKOFF_FIRST_S
+
+    def _backups(self):
+        """A batch of durable copies for blocks published above cold (write-behind), once due; None
+        when none is (or while writes into cold back off after a failure)."""
+        store = self.store
+        copies, interval_s = store.state.copies, store.config.cold.write_behind_s
+        if copies is None or not copies.pending or time.monotonic() < self._cold_retry_at:
+            return None
+        due = copies.due(time.monotonic(), interval_s, self.batch_blocks)
+        batch = write_behind.prepare_backups(store.transfers, due, BACKGROUND) if due else None
+        return batch if batch is not None and batch.transfers else None
 
     def _next_plan(self):
         """(plan, the predicate of blocks it must leave alone), or (None, None)."""

@@ -18,6 +18,7 @@ tiers together cannot hold the step. What it allocated is released again in both
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ from ..errors import CorruptBlockError
 from ..metrics.registry import BACKGROUND, ON_DEMAND
 from ..scheduler import Plan
 from .allocation import Retry
+from .copies import BACKUP
 from .demand import DemandResult
 from .leases import LeaseRow, StepLease, StepRequest, reads_host
 from .reporting import count_turn_start
@@ -58,6 +60,8 @@ class Opening:
             build.shared_tails = self._shared_tails(request)
             if request.count_turn_start and request.promotion_order:  # where the history was when the turn began
                 count_turn_start(store.metrics, state.placements(request.promotion_order)[0])
+            if request.new_turn and state.copies is not None:  # a second turn reads them (cold.admit: reused)
+                state.copies.reused(request.promotion_order, time.monotonic())
             self._cancel_background(request.block_set)
             state.pin(owner, request.block_set)  # last: nothing that can raise comes between it and the try
         try:
@@ -91,7 +95,8 @@ class Opening:
 
     def _cancel_background(self, block_set: set[int]) -> None:
         in_flight = self.store.state.in_flight
-        for block_id in [b for b, t in in_flight.items() if t.batch.mode == BACKGROUND and b in block_set]:
+        for block_id in [b for b, t in in_flight.items() if t.batch.mode == BACKGROUND and b in block_set
+                         and t.kind != BACKUP]:  # (a backup does not move its block)
             in_flight[block_id].cancelled = True
             if self.store.mover is not None:
                 self.store.mover.num_cancelled += 1

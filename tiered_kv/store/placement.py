@@ -132,3 +132,16 @@ class Placement:
                     if block_id in state.index:
                         state.mark_corrupt(block_id)
         return bad
+
+    def wait_for_background(self, timeout_s: float) -> bool:
+        store = self.store
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with store.lock:
+                mover = store.mover
+                if mover is None or store.is_closing or (not mover.pending_requests and not mover.busy
+                                                         and not store.compaction.pending()):
+                    return True
+                mover.wake()
+            time.sleep(0.005)
+        return False

@@ -35,6 +35,23 @@ class RemoteIO:
         if store.remote is None or not keys or not store.is_bound:
             return []
         blocks = store.remote.fetch(keys, root)
+        found = self._bring_in(blocks, keys, root, "remote_misses")
+        for key in keys[:len(found)]:
+            store.remote.note_known(key)  # it came from there: never written back
+        return found
+
+    def fetch_peers(self, keys: list[bytes], root: bytes) -> list[int]:
+        """Like `fetch`, from the durable records of the other stores (processes) on this cold.path."""
+        store = self.store
+        if store.peers is None or not keys or not store.is_bound:
+            return []
+        found = self._bring_in(store.peers.fetch(keys, root), keys, root, None)
+        store.metrics.peer_hits.inc((), len(found))
+        return found
+
+    def _bring_in(self, blocks: list, keys: list[bytes], root: bytes, misses: str | None) -> list[int]:
+        """New published blocks holding `blocks` (bytes of the leading keys), each retained once."""
+        store = self.store
         if not blocks:
             return []
         owner = pseudo_owner()
@@ -45,7 +62,8 @@ class RemoteIO:
             try:
                 block_ids = store.allocation.allocate_pinned(owner, len(blocks))
             except (CapacityError, Retry):
-                store.metrics.remote_misses.inc(("no_room",))
+                if misses is not None:
+                    getattr(store.metrics, misses).inc(("no_room",))
                 return []
             shape = (1, *store.layout.record_shape())
             data = [torch.frombuffer(bytearray(b), dtype=torch.uint8).view(store.dtype).reshape(shape) for b in blocks]
@@ -56,9 +74,7 @@ class RemoteIO:
                 with store.lock:  # complete() freed the blocks whose bytes never landed
                     store.state.release([b for b in block_ids if b in store.state.index])
                 return []
-            for key in keys[:len(block_ids)]:
-                store.remote.note_known(key)  # it came from there: never written back
-            store.publish_many([(b, key, root) for b, key in zip(block_ids, keys)])
+            store.publish_many([(b, key, root) for b, key in zip(block_ids, keys)], local=False)
             return block_ids
         finally:
             with store.lock:

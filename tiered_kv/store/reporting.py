@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from ..blocks import COLD, HOT, TIER_NAMES, WARM, tier_counts
 from ..metrics.registry import BACKGROUND, ON_DEMAND
+from .consistency import check_consistent
 
 
 def count_turn_start(metrics, tiers) -> None:
@@ -84,11 +85,17 @@ class Reporting:
         with store.lock:
             pools = store.state.pools
             return Counters(
-                used_blocks=tuple(pool.num_used for pool in pools) or (0,) * len(TIER_NAMES),
+                used_blocks=tuple(self._used_blocks(t) for t in range(len(pools))) or (0,) * len(TIER_NAMES),
                 capacity_blocks=tuple(pool.num_slots for pool in pools) or (0,) * len(TIER_NAMES),
                 bytes_moved=self.bytes_moved, num_moves=self.num_moves,
                 bytes_background=self.bytes_in_mode(BACKGROUND),
                 turn_blocks_by_tier=self.turn_blocks_by_tier, turn_blocks=self.turn_blocks)
+
+    def _used_blocks(self, tier: int) -> int:
+        """Slots that hold blocks (or are reserved), not counting cold slots holding only durable copies."""
+        state = self.store.state
+        used = state.pools[tier].num_used
+        return used - len(state.copies) if tier == COLD and state.copies else used
 
     def contiguity(self, tables: list[list[int]]) -> float:
         """One chat's contiguity (compaction.py): 1.0 when it has no hot block."""
@@ -101,13 +108,13 @@ class Reporting:
     def check_consistency(self) -> list[str]:
         """What is wrong between the index, the pools, pins and transfers ([] when nothing is): every
         used slot belongs to one block, a reservation of a move in flight, a quarantined corrupt
-        block or a deferred free (StoreState.check_consistent). Tests call it after every fault."""
+        block or a deferred free (consistency.py). Tests call it after every fault."""
         store = self.store
         with store.lock:
             if not store.is_bound or store.is_closed:
                 return []
             store.state.drain()
-            return store.state.check_consistent()
+            return check_consistent(store.state)
 
     # ---- stats() -----------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -129,9 +136,12 @@ class Reporting:
                     cold = store.state.tiers[COLD]
                     device = getattr(cold, "file_path", None) or (
                         f"unavailable: {store.cold_unavailable}" if store.cold_unavailable else "disabled")
-                tiers[name] = {"used_blocks": pool.num_used, "capacity_blocks": pool.num_slots,
-                               "used_bytes": pool.num_used * store.layout.block_bytes,
+                used = self._used_blocks(t)
+                tiers[name] = {"used_blocks": used, "capacity_blocks": pool.num_slots,
+                               "used_bytes": used * store.layout.block_bytes,
                                "capacity_bytes": pool.num_slots * store.layout.block_bytes, "device": device}
+                if t == COLD:  # slots holding durable copies of blocks above (counted free: they go first)
+                    tiers[name]["copies_blocks"] = len(store.state.copies or ())
             block_size = {"tokens": store.config.block_size, "auto": store.config.block_size_is_auto}
             out = {"tiers": tiers, "block_size": block_size, "hits": self.hits, "misses": self.misses,
                    "bytes_moved": self.bytes_moved, "link_saturation": store.link_monitor.saturation()}
@@ -141,10 +151,26 @@ class Reporting:
             out["copies"] = {"engine": store.copy_engine.name, "in_flight_blocks": len(store.state.in_flight),
                              "deferred_frees": store.state.num_deferred_frees,
                              "failed_moves": int(self.metrics.failed_moves.total())}
+            out["durability"] = self._durability_stats()
             out["metrics"] = self.metrics.snapshot()  # every counter and histogram (tiered_kv/metrics/)
             # the shared remote tier: hits, misses, bytes in and out, errors, latency (None: off)
             out["remote"] = store.remote.stats() if store.remote is not None else None
             return out
+
+    def _durability_stats(self) -> dict:
+        """Durable copies in cold of blocks above it, what writing them cost, the drive's wear."""
+        store, m = self.store, self.metrics
+        copies = store.state.copies
+        computed = m.tokens_computed.total()
+        written = int(m.cold_bytes_written.value())
+        return {"write_behind_s": store.config.cold.write_behind_s, "admit": store.config.cold.admit,
+                "copies_blocks": len(copies) if copies is not None else 0,
+                "pending_blocks": len(copies.pending) if copies is not None else 0,
+                "copies_written": int(m.copies_written.value()), "adopted_copies": int(m.adopted_copies.value()),
+                "write_failures": int(m.copies_failed.total() + m.write_errors.total()),
+                "cold_bytes_written": written,
+                "cold_bytes_per_token": written / computed if computed else 0.0,
+                "peer_hits": int(m.peer_hits.value())}
 
     def _scheduler_stats(self) -> dict:
         """Hit rates per tier, moves by direction, background vs on-demand bytes, critical-path

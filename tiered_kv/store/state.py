@@ -23,11 +23,12 @@ from collections import deque
 import numpy as np
 
 from ..block_index import BlockIndex
-from ..blocks import COLD, DROPPED, TIER_NAMES, WARM
+from ..blocks import COLD, TIER_NAMES, WARM
 from ..hw.copy_engine import CopyEvent
 from ..logs import Throttle
 from ..metrics.registry import Metrics
 from ..pool import SlotPool
+from .durable_copies import DurableCopies
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class StoreState:
         self._released_later: deque = deque()  # (block ids, step owner) of banks the collector took
         self._drop_warnings = Throttle(log)
         self.on_collected = None  # called with a collected bank's owner at drain (the store forgets the chat)
+        self.copies: DurableCopies | None = None  # durable copies in cold of blocks above it (with a cold tier)
 
     def bind(self, tiers: list, pools: list[SlotPool]) -> None:
         self.tiers, self.pools = tiers, pools
@@ -83,7 +85,28 @@ class StoreState:
         return [pool.num_slots for pool in self.pools]
 
     def free_slots(self) -> list[int]:
-        return [pool.num_free for pool in self.pools]
+        """Free slots per tier; a cold slot holding only a durable copy counts as free (it goes first)."""
+        free = [pool.num_free for pool in self.pools]
+        if self.copies:
+            free[COLD] += len(self.copies)
+        return free
+
+    def cold_room(self, num_slots: int) -> int:
+        """Make `num_slots` cold slots free by dropping copies (coldest first) where the pool lacks
+        them; how many are free now."""
+        pool, copies = self.pools[COLD], self.copies
+        if copies and pool.num_free < num_slots:
+            for block_id in copies.coldest(self.index, num_slots - pool.num_free):
+                self.free_slot(COLD, copies.pop(block_id))
+        return pool.num_free
+
+    def adopt_copy(self, block_id: int) -> None:
+        """The block goes down into cold by taking its durable copy's slot: nothing is written."""
+        entry = self.index.get(block_id)
+        src_tier, src_slot = entry.tier, entry.slot
+        self.index.move(block_id, COLD, self.copies.pop(block_id))
+        self.free_slot(src_tier, src_slot)
+        self.metrics.adopted_copies.inc()
 
     def placements(self, block_ids) -> tuple[np.ndarray, np.ndarray]:
         """(tier, slot) of each block, as two int64 arrays (DROPPED for a corrupt block)."""
@@ -215,6 +238,8 @@ class StoreState:
         """Remove a block. One a transfer copies is cancelled; its slot waits for that copy."""
         transfer = self.in_flight.pop(block_id, None)
         entry = self.index.remove(block_id)
+        if self.copies and block_id in self.copies:
+            self.free_slot(COLD, self.copies.pop(block_id))
         if entry.is_corrupt:  # its slot went back (or into quarantine) when it was marked
             return
         if transfer is not None:
@@ -223,10 +248,15 @@ class StoreState:
         else:
             self.free_slot(entry.tier, entry.slot)
 
-    def evict(self, block_id: int) -> None:
-        """Drop an unreferenced cached block (its data is discarded)."""
+    def evict(self, block_id: int) -> bool:
+        """Drop an unreferenced cached block (its data is discarded): True. One with a durable copy
+        goes down to it instead (it stays cached, in cold): False."""
+        if self.copies and block_id in self.copies and block_id not in self.in_flight:
+            self.adopt_copy(block_id)
+            return False
         self.free_block(block_id)
         self.metrics.evictions.inc()
+        return True
 
     def report_evictions(self, count: int, by: str) -> None:
         """One warning (throttled: a full cache drops some at every step) for blocks just dropped."""
@@ -251,6 +281,8 @@ class StoreState:
         transfer = self.in_flight.pop(block_id, None)
         if transfer is not None:
             transfer.cancelled = True  # its copy may still read the slot: freed after it, or at unpin
+        if self.copies and block_id in self.copies:
+            self.free_slot(COLD, self.copies.pop(block_id))
         if self.is_pinned_by_step(block_id):
             self._quarantined.append((block_id, entry.tier, entry.slot))
         elif transfer is not None:
@@ -286,33 +318,3 @@ class StoreState:
             except ValueError as error:  # not whole yet: it stays a cold block, just not durable
                 log.warning("block %d not made durable (it stays in the cold tier for this process): %s",
                             block_id, error)
-
-    def check_consistent(self) -> list[str]:
-        """What is wrong between the index, the pools, the pins and the transfers (tests' `verify`):
-        every used slot belongs to exactly one block, a quarantined slot, a reservation of a block in
-        flight, or a deferred free; nothing is pinned or in flight once everything ended."""
-        problems = []
-        in_flight_dst = {(t.dst_tier, t.dst_slot) for t in self.in_flight.values()}
-        problems += [f"block {b} is still in flight in a batch that completed" for b, t in self.in_flight.items()
-                     if t.batch.completed]
-        deferred = {(tier, slot) for tier, slots, _ in self._deferred_frees for slot in slots}
-        quarantined = self.quarantined_slots()
-        for tier, pool in enumerate(self.pools):
-            owned: dict[int, int] = {}
-            for block_id, entry in self.index.items():
-                if entry.tier == tier:
-                    if entry.slot in owned:
-                        problems.append(f"{TIER_NAMES[tier]} slot {entry.slot} holds blocks {owned[entry.slot]} "
-                                        f"and {block_id}")
-                    owned[entry.slot] = block_id
-            for slot in range(pool.num_slots):
-                key = (tier, slot)
-                accounted = slot in owned or key in in_flight_dst or key in deferred or key in quarantined
-                if pool.is_used(slot) and not accounted:
-                    problems.append(f"{TIER_NAMES[tier]} slot {slot} is used but no block, transfer or free holds it")
-                if not pool.is_used(slot) and slot in owned:
-                    problems.append(f"{TIER_NAMES[tier]} slot {slot} holds block {owned[slot]} but is free")
-        for block_id, entry in self.index.items():
-            if entry.tier == DROPPED and entry.key is not None:
-                problems.append(f"corrupt block {block_id} still has a key")
-        return problems

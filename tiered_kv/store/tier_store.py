@@ -33,7 +33,7 @@ import torch
 
 from ..blocks import COLD, TIER_NAMES, KVLayout
 from ..config import Config, load_config
-from ..errors import BankClosedError, ColdPathInUseError, LayoutError
+from ..errors import BankClosedError, LayoutError
 from ..hw.copy_engine import make_copy_engine
 from ..hw.devices import resolve_device, resolve_pinned
 from ..hw.link_monitor import make_link_monitor
@@ -50,6 +50,7 @@ from .building import STAGING_BYTES
 from .allocation import PIN_WAIT_S, Allocation
 from .compaction import HotCompaction
 from .demand import DemandMoves
+from .durable_copies import DurableCopies
 from .leases import StepLease, StepRequest
 from .lock import StoreLock
 from .mover import Mover
@@ -112,6 +113,7 @@ class TierStore:
         self._cold_directory: ColdDirectory | None = None
         self.remote: RemoteTier | None = None
         self.cold_unavailable: str | None = None  # why this store runs without its cold tier
+        self.peers = None  # other processes' cold files on this cold.path (tiers/cold_peers.py), once bound
         self.link_monitor = make_link_monitor(self.device)
         register_store(self)
         _OPEN_STORES.add(self)
@@ -119,12 +121,7 @@ class TierStore:
             self.copy_engine = make_copy_engine(self.device, self.config.copies.engine, self.config.copies.delay_us)
             if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
                 # fail at start, not at the first spill, when the cold directory is unusable
-                try:
-                    self._cold_directory = open_cold_directory(self.config.cold.path)
-                except ColdPathInUseError as error:
-                    # one writer per cold directory: a second store runs on hot and warm alone
-                    self.cold_unavailable = str(error)
-                    log.warning("%s; this store runs without a cold tier (hot and warm only)", error)
+                self._cold_directory = open_cold_directory(self.config.cold.path)
             if self.config.remote.enabled:  # a wrong password (or, when required, a server down) fails the start
                 self.remote = RemoteTier(self.config.remote, self.metrics)
         except BaseException:
@@ -195,12 +192,14 @@ class TierStore:
 
     def _bind(self, layout: KVLayout, dtype: torch.dtype) -> None:
         made = self.state.tiers  # what building made, closed by _release_resources if it fails partway
-        tiers, pools = building.build_tiers(self.config, layout, dtype, self.device, self.pinned,
-                                            self._cold_directory, made)
+        tiers, pools, self.cold_unavailable = building.build_tiers(self.config, layout, dtype, self.device,
+                                                                   self.pinned, self._cold_directory, made)
+        self.peers = building.peers_of(self._cold_directory, layout, tiers[COLD])
         staging = building.build_staging(layout, dtype, self.device, self.pinned, [p.num_slots for p in pools])
         if tiers[COLD] is not None:
             durability.import_durable_records(self.state.index, tiers[COLD], pools[COLD])
             tiers[COLD].metrics = self.metrics  # its durable writer times its writes and counts failures
+            self.state.copies = DurableCopies(self.config.cold.admit)
         self.state.bind(tiers, pools)
         self.transfers = Transfers(self.state, self.copy_engine, self.metrics, self.link_monitor, layout.block_bytes,
                                    staging)
@@ -269,16 +268,11 @@ class TierStore:
         other banks, and with a cold tier later processes, can reuse it."""
         return self.publish_many([(block_id, key, root)])[0]
 
-    def publish_many(self, items: list[tuple[int, bytes, bytes | None]]) -> list[bool]:
+    def publish_many(self, items: list[tuple[int, bytes, bytes | None]], local: bool = True) -> list[bool]:
+        """`local`: computed here (False: fetched from another process or the remote tier)."""
         with self.lock:
-            out = []
-            for block_id, key, root in items:
-                published = self.state.index.publish(block_id, key, root)
-                if published:
-                    self.state.persist_if_published(block_id)
-                    if self.remote is not None and root is not None:
-                        self.remote.enqueue(block_id, key, root)  # written behind, by the remote writer
-                out.append(published)
+            out = [self.state.index.publish(block_id, key, root) for block_id, key, root in items]
+            durability.published(self, [item for item, ok in zip(items, out) if ok], local)
             return out
 
     def lookup_and_retain(self, keys: list[bytes]) -> list[int]:
@@ -294,6 +288,8 @@ class TierStore:
                 found.append(block_id)
             for block_id in found:
                 index.incref(block_id)
+            if found and self.state.copies is not None:  # another chat reads them (cold.admit: reused)
+                self.state.copies.reused(found, time.monotonic())
             if found:
                 self.compaction.note_layout_change()  # a table takes up blocks laid out for another
             return found
@@ -305,9 +301,10 @@ class TierStore:
             return [(b := index.lookup(key)) is not None and not index.get(b).is_corrupt for key in keys]
 
     def fetch_remote(self, keys: list[bytes], root: bytes) -> list[int]:
-        """After a local miss: the leading run of `keys` the remote server holds intact, as new
-        published blocks retained once for the caller (remote_io.py); [] when none can come."""
-        return self.remote_io.fetch(keys, root)
+        """After a local miss: the leading run of `keys` that other stores' cold files here, then the remote
+        server, hold intact, as new published blocks retained once for the caller (remote_io.py)."""
+        found = self.remote_io.fetch_peers(keys, root)
+        return found if len(found) == len(keys) else found + self.remote_io.fetch(keys[len(found):], root)
 
     # ---- placement (placement.py) --------------------------------------------------------------------
     def promote(self, block_ids: list[int], owner: int | None = None) -> list[int]:
@@ -330,16 +327,11 @@ class TierStore:
     def wait_for_background(self, timeout_s: float = 30.0) -> bool:
         """Wait until the mover has no prefetch request, no batch in flight and no compaction to
         do (for tests and benchmarks that need a settled store). True when settled in time."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self.lock:
-                mover = self.mover
-                if mover is None or self.is_closing or (not mover.pending_requests and not mover.busy
-                                                        and not self.compaction.pending()):
-                    return True
-                mover.wake()
-            time.sleep(0.005)
-        return False
+        return self.placement.wait_for_background(timeout_s)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Every published block durable in cold now (write-behind, not waiting); False: not in `timeout_s`."""
+        return durability.flush(self, timeout_s)
 
     def verify(self, block_ids: list[int]) -> list[int]:
         """Check the cold blocks among `block_ids` against their checksums; returns (and marks) the bad ones."""
@@ -443,6 +435,8 @@ class TierStore:
                 except Exception as error:  # keep closing the others
                     log.warning("closing the %s tier failed: %s", TIER_NAMES[i], error)
         self.state.tiers[:] = [None] * len(self.state.tiers)
+        if self.peers is not None:
+            self.peers.close()
         if self._cold_directory is not None:
             if failed_start:
                 self._cold_directory.abort()

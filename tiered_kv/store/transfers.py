@@ -29,13 +29,15 @@ import time
 
 from ..block_index import BlockEntry
 from ..blocks import COLD, DROPPED, HOT, TIER_NAMES
+from ..hw.block_io import ColdWriteError
 from ..hw.copy_engine import CopyEvent
-from ..logs import Throttle, error_name
+from ..logs import Throttle
 from ..metrics.registry import BACKGROUND, Metrics
 from ..scheduler import Move
 from . import copies
 from .batches import Transfer, TransferBatch
-from .copies import COPY, MOVE, READ_OUT, WRITE_IN
+from . import failures, write_behind
+from .copies import BACKUP, COPY, MOVE, READ_OUT, WRITE_IN
 from .state import StoreState
 
 log = logging.getLogger(__name__)
@@ -77,10 +79,15 @@ class Transfers:
             if entry is None or entry.tier != src_tier:
                 continue
             taken.add(block_id)
-            if dst_tier == DROPPED:
+            if dst_tier == COLD and state.copies and block_id in state.copies:
+                state.adopt_copy(block_id)  # down to its durable copy: nothing to write
+                batch.num_adopted += 1
+            elif dst_tier == DROPPED:
                 if entry.ref_count == 0:
-                    state.evict(block_id)
-                    batch.num_evictions += 1
+                    if state.evict(block_id):
+                        batch.num_evictions += 1
+                    else:
+                        batch.num_adopted += 1
             elif dst_slot is not None:
                 placed.append((block_id, entry, dst_tier, dst_slot))
             else:
@@ -93,7 +100,7 @@ class Transfers:
             if self._reserve(tier, slot):
                 transfers.append(Transfer(block_id, entry.tier, entry.slot, tier, slot, batch))
         for tier, group in wanted.items():
-            group = group[:state.pools[tier].num_free]
+            group = group[:state.cold_room(len(group)) if tier == COLD else state.pools[tier].num_free]
             # slots in runs: into hot in token order (a chat's ids grow with its tokens; attention
             # reads one slice), below in source order (both sides of the copy advance together).
             # The order of the transfers is the order blocks enter the tier's recency order: into
@@ -200,7 +207,11 @@ class Transfers:
         landed: dict[tuple[int, int], int] = {}  # (src, dst) -> blocks whose bytes landed
         commits: dict[tuple[int, int], tuple[list, list, list]] = {}  # -> (blocks, dst slots, src slots)
         given_back: dict[int, list[int]] = {}  # tier -> reserved slots no block took
+        backups = []
         for t in batch.transfers:
+            if t.kind == BACKUP:
+                backups.append(t)
+                continue
             if t.kind != MOVE:
                 if t.kind != READ_OUT:
                     self._complete_fill(t, batch, error, landed)
@@ -229,6 +240,8 @@ class Transfers:
             self._commit_moves(src, dst, block_ids, dst_slots, src_slots, event)
             if src != dst:
                 landed[(src, dst)] = landed.get((src, dst), 0) + len(block_ids)
+        if backups:
+            write_behind.complete_backups(self, backups, error, landed, given_back)
         for tier, slot in batch.frees:
             given_back.setdefault(tier, []).append(slot)
         batch.frees.clear()
@@ -237,8 +250,10 @@ class Transfers:
         for (src, dst), count in landed.items():
             self._count_bytes(src, dst, count * self.block_bytes, batch.mode)
         self._observe_copy_seconds(batch, landed)
+        if isinstance(error, ColdWriteError):
+            failures.drop_cached_that_failed_into_cold(state, batch)
         if error is not None and batch.failed:
-            self._report_failure(batch, error)
+            failures.report(self.metrics, self._failure_warnings, batch, error)
         state.changes.bump()
 
     def _complete_fill(self, t: Transfer, batch: TransferBatch, error, landed: dict) -> None:
@@ -271,30 +286,14 @@ class Transfers:
             if dst == COLD:
                 for block_id in block_ids:
                     state.persist_if_published(block_id)
+            elif src == COLD:
+                src_slots = write_behind.keep_records(state, block_ids, src_slots)
         state.free_slots_after(src, src_slots, after=event)
 
     def _count_bytes(self, src_tier: int, dst_tier: int, num_bytes: int, mode: str) -> None:
         self.metrics.bytes_moved.inc((TIER_NAMES[src_tier], TIER_NAMES[dst_tier], mode), num_bytes)
         if HOT in (src_tier, dst_tier):
             self.link_monitor.record(num_bytes)
-
-    def _report_failure(self, batch: TransferBatch, error: BaseException) -> None:
-        """Counted always; one warning per interval (a full disk fails every batch): what failed,
-        why (the errno name, the file), and that the blocks stay where they were."""
-        self.metrics.failed_moves.inc((batch.mode, error_name(error)), len(batch.failed))
-        if batch.quiet:
-            return
-        directions: dict[str, int] = {}
-        for t in batch.failed:
-            direction = f"{TIER_NAMES[t.src_tier] if t.src_tier >= 0 else 'host'}->{TIER_NAMES[t.dst_tier]}"
-            directions[direction] = directions.get(direction, 0) + 1
-        sources = sorted({TIER_NAMES[t.src_tier] for t in batch.failed if t.src_tier >= 0})
-        where = f", {error.filename}" if getattr(error, "filename", None) else ""
-        self._failure_warnings.warning(
-            "%s move of %d block(s) (%s) failed (%s: %s%s): nothing moved, they stay in %s",
-            "background" if batch.mode == BACKGROUND else "on-demand", len(batch.failed),
-            ", ".join(f"{n} {d}" for d, n in directions.items()), error_name(error),
-            getattr(error, "strerror", None) or error, where, " and ".join(sources) or "place")
 
     def _observe_copy_seconds(self, batch: TransferBatch, directions) -> None:
         """Seconds from launch to complete, once per direction that landed."""

@@ -43,6 +43,7 @@ from .cold_files import ColdDirectory
 from .cold_format import ALIGN_BYTES, checksum, layout_signature  # noqa: F401  (re-exported for tests and tools)
 from .cold_durable import DurableRecords, DurableWriter, _Op
 from .cold_index import ColdIndex
+from .cold_peers import PEER_READ_WAIT_S, record_lock, record_unlock
 from .shared_io import IoGuard, ScratchPool
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class ColdTier(DurableRecords):
                      "unusable: %s)", no_kvikio)
         self._dirty = False
         self._fd = None
-        self._file = directory.open_preallocated(fmt.block_file_name(layout), num_slots * self.record_stride_bytes)
+        self.bytes_written = 0  # block data written into the file (records and layer slices)
+        self._file, self.file_number = directory.claim_block_file(
+            lambda n: fmt.block_file_name(layout, n), num_slots * self.record_stride_bytes, fmt.MAX_FILES)
         self.file_path = self._file.path
         self._fd = self._file.fd
         self._guard = IoGuard(f"cold tier {self.file_path}")
@@ -99,7 +102,8 @@ class ColdTier(DurableRecords):
         self._zero_header = self._zero_tail[-fmt.header_bytes(layout):]
         layout_text = "x".join(str(v) for v in (layout.num_layers, layout.num_kv_heads, layout.head_dim,
                                                   layout.block_size, layout.dtype_name))
-        self.index = ColdIndex(directory, fmt.index_file_name(layout), layout_text, synchronous=fsync)
+        self.index = ColdIndex(directory, fmt.index_file_name(layout, self.file_number), layout_text,
+                               synchronous=fsync)
         self._index_usable = True
         try:
             self.io = KvikioBlockIO(self._fd) if can_use_kvikio else PosixBlockIO(self._fd)
@@ -169,16 +173,26 @@ class ColdTier(DurableRecords):
             self._write_records(slots, host)
 
     def _write_records(self, slots: list[int], host: np.ndarray) -> None:
-        self._withdraw(slots, zero_header=False)  # the writes below zero the headers
+        was_durable = set(self._withdraw(slots, zero_header=False))  # the writes below zero the headers
         for i, slot in enumerate(slots):
             record = host[i]
             self.valid[slot] = False
-            with self._naming_the_file():
+            with self._naming_the_file(), self._no_peer_reading(slot, slot in was_durable):
                 self.io.write_gather([record, self._zero_tail], self._offset(slot))
             for layer in range(self.layout.num_layers):
                 self.checksums[slot, layer] = checksum(record[layer])
             self.valid[slot] = True
+        self._count_written(len(slots) * self.layout.block_bytes)
         self._dirty = True
+
+    def _count_written(self, num_bytes: int) -> None:
+        self.bytes_written += num_bytes
+        if self.metrics is not None:
+            self.metrics.cold_bytes_written.inc((), num_bytes)
+
+    def is_durable(self, slot: int) -> bool:
+        """The slot holds a record that is (or a queued persist makes) durable."""
+        return bool(self._durable[slot])
 
     @contextlib.contextmanager
     def _naming_the_file(self):
@@ -190,6 +204,21 @@ class ColdTier(DurableRecords):
             if exc.filename is None:
                 exc.filename = self.file_path
             raise
+
+    @contextlib.contextmanager
+    def _no_peer_reading(self, slot: int, was_durable: bool):
+        """Around an overwrite of a slot another process may be reading (it held a durable record):
+        wait until no peer holds its shared record lock (cold_peers.py), PEER_READ_WAIT_S at most;
+        a peer that reads later finds the checksums changed and never serves the bytes."""
+        if not was_durable:
+            yield
+            return
+        locked = record_lock(self._fd, slot, self.record_stride_bytes, exclusive=True, wait_s=PEER_READ_WAIT_S)
+        try:
+            yield
+        finally:
+            if locked:
+                record_unlock(self._fd, slot, self.record_stride_bytes)
 
     def forget(self, slots: list[int]) -> None:
         """Slots were freed: their bytes are no longer a block, and no durable row names them."""
@@ -270,7 +299,7 @@ class ColdTier(DurableRecords):
         _, groups = index
         host = self._to_numpy(kv)
         with self._guard, self._scratch.take() as scratch:
-            self._withdraw(list(groups), zero_header=True)  # a changed record is no longer the durable one
+            was_durable = set(self._withdraw(list(groups), zero_header=True))  # a changed record is not durable
             buffer = scratch.layer_buffer
             for slot, items in groups.items():
                 with self._slot_lock(slot):  # a read of this slice (the stream worker's) waits for it
@@ -278,10 +307,11 @@ class ColdTier(DurableRecords):
                     positions, offsets = _positions_and_offsets(items)
                     buffer[:, :, offsets] = host[:, :, positions]
                     self.valid[slot, layer] = False
-                    with self._naming_the_file():
+                    with self._naming_the_file(), self._no_peer_reading(slot, slot in was_durable):
                         self.io.write_from(buffer, self._offset(slot, layer))
                     self.checksums[slot, layer] = checksum(buffer)
                     self.valid[slot, layer] = True
+        self._count_written(len(groups) * self.layout.layer_bytes)
         self._dirty = True
 
     def _slot_lock(self, slot: int) -> threading.Lock:

@@ -87,13 +87,14 @@ class DurableRecords:
             op = _Op("put", slot, int(self._generation[slot]), bytes(key), bytes(root), self.checksums[slot].copy())
         self._writer.enqueue([op])
 
-    def _withdraw(self, slots, zero_header: bool) -> None:
+    def _withdraw(self, slots, zero_header: bool) -> list[int]:
         """The slots stop being durable records: bump their generation (a queued persist of theirs is
-        dropped), queue the deletion of their rows, and zero their headers when asked."""
+        dropped), queue the deletion of their rows, and zero their headers when asked. Returns the
+        slots that were durable."""
         with self._state_lock:
             slots = [int(s) for s in slots if self._durable[s]]
             if not slots:
-                return
+                return slots
             self._durable[slots] = False
             self._generation[slots] += 1
         self._writer.enqueue([_Op("delete", slot) for slot in slots])
@@ -101,7 +102,8 @@ class DurableRecords:
             failed, first = [], None
             for slot in slots:
                 try:
-                    self.io.write_from(self._zero_header, self._header_at(slot))
+                    with self._no_peer_reading(slot, True):  # a peer's read of the record ends first
+                        self.io.write_from(self._zero_header, self._header_at(slot))
                 except ColdWriteError as exc:
                     failed.append(slot)
                     first = first or exc
@@ -110,6 +112,7 @@ class DurableRecords:
                     "cold tier %s: cannot zero the record header of slot(s) %s (%s: %s); their index rows are "
                     "deleted anyway, so no later process reuses them", self.file_path, _some(failed),
                     error_name(first), first.strerror or first)
+        return slots
 
     def _write_header_if_current(self, op: _Op) -> bool:
         """Writer thread: write `op`'s header unless the slot changed since it was queued."""

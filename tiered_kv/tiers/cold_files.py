@@ -1,8 +1,11 @@
 """The cold tier's directory and the files in it: ours alone (DESIGN invariant 5).
 
 `open_cold_directory(path)` creates what is missing of `path` (mode 0700, remembering what it
-made), opens it and keeps its fd, refuses a directory that another user could write into, and
-takes the one-store-per-directory lock. Every file inside is opened relative to that fd with
+made), opens it and keeps its fd, and refuses a directory that another user could write into.
+Many stores (processes) share one directory: each claims a block file of its own
+(`claim_block_file`: the first one no live store holds, under a short start lock on LOCK_NAME,
+then an exclusive flock on the file for the store's life) and reads the others' read-only
+(cold_peers.py). Every file inside is opened relative to that fd with
 O_NOFOLLOW, so a symlink planted at one of our names is refused, never followed: its target is
 neither written, truncated nor chmod'ed. New files are created 0600 with O_EXCL; an existing file
 is reused only when it is a regular file of ours that no other user can read or write.
@@ -13,10 +16,12 @@ durable); `abort()`, for a start that failed, removes exactly what this start cr
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import stat
+import time
 from dataclasses import dataclass
 
 from ..errors import ColdPathInUseError, ConfigError
@@ -27,6 +32,7 @@ DIRECTORY_MODE = 0o700
 FILE_MODE = 0o600
 _NO_FOLLOW = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 _LOCK_ATTEMPTS = 3
+START_LOCK_WAIT_S = 10.0  # a store waits this long for another's claim of a block file to end
 _CAPACITY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -62,7 +68,7 @@ class ColdDirectory:
         try:
             self._make_missing_directories()
             self.fd = self._open_directory()
-            self._lock = self._take_lock()
+            self._lock = self.open_file(LOCK_NAME)  # held (flock) only while a store claims a block file
         except BaseException:
             self.abort()
             raise
@@ -111,25 +117,62 @@ class ColdDirectory:
             raise self._path_error(f"which is {problem}; it is left as it is")
         return fd
 
-    def _take_lock(self) -> OwnedFile:
-        """Exclusive flock on LOCK_NAME: slot allocation is in-process, so one store per directory."""
+    @contextlib.contextmanager
+    def start_lock(self, wait_s: float = START_LOCK_WAIT_S):
+        """Exclusive flock on LOCK_NAME while a store claims its block file (or gc runs), waited for
+        up to `wait_s`: ColdPathInUseError when another holds it longer."""
+        deadline = time.monotonic() + wait_s
         for _ in range(_LOCK_ATTEMPTS):
             lock = self.open_file(LOCK_NAME)
-            try:
-                fcntl.flock(lock.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                os.close(lock.fd)
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise ColdPathInUseError(
-                        f"config key 'cold.path': {self.path!r} is in use by another TierStore (this or another "
-                        "process); allowed: a cold.path no other running store uses"
-                    ) from None
-                raise self._path_error(f"whose lock file cannot be locked ({exc.strerror})") from None
+            while True:
+                try:
+                    fcntl.flock(lock.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        os.close(lock.fd)
+                        raise self._path_error(f"whose lock file cannot be locked ({exc.strerror})") from None
+                    if time.monotonic() >= deadline:
+                        os.close(lock.fd)
+                        raise ColdPathInUseError(
+                            f"config key 'cold.path': {self.path!r}: another process held its {LOCK_NAME} for over "
+                            f"{wait_s:.0f} s (a store claiming a block file, or tiered-kv gc); allowed: a cold.path "
+                            "whose lock is released in time") from None
+                    time.sleep(0.01)
             # a store whose start failed may have removed the name after we opened it: lock the live one
             if self._is_live(LOCK_NAME, lock.fd):
-                return lock
+                try:
+                    yield
+                finally:
+                    os.close(lock.fd)  # closing our fd of it releases the flock
+                return
             os.close(lock.fd)
         raise self._path_error(f"whose lock file {LOCK_NAME!r} keeps being replaced while we lock it")
+
+    def claim_block_file(self, name_of, size_bytes: int, max_files: int) -> tuple[OwnedFile, int]:
+        """(the file, its number): the first of `name_of(0..max_files-1)` no live store holds,
+        created if missing, flock'ed exclusively until it is closed, preallocated to `size_bytes`
+        (see open_preallocated). ColdPathInUseError when every one is held."""
+        with self.start_lock():
+            for number in range(max_files):
+                name = name_of(number)
+                file = self.open_file(name)
+                try:
+                    fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as exc:
+                    os.close(file.fd)
+                    if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        continue  # a live store writes this one
+                    raise self._path_error(f"where {name!r} cannot be locked ({exc.strerror})") from None
+                try:
+                    _preallocate(file, size_bytes)
+                except BaseException:
+                    self.discard(file)
+                    raise
+                return file, number
+        raise ColdPathInUseError(
+            f"config key 'cold.path': {self.path!r}: all {max_files} block files of this layout are held by running "
+            "stores; allowed: fewer stores at once on one cold.path")
 
     # ---- files -----------------------------------------------------------------------------
     def file_path(self, name: str) -> str:
@@ -170,6 +213,21 @@ class ColdDirectory:
             os.close(fd)
             raise self._foreign_file_error(path, why)
         return OwnedFile(name, path, fd, created=False, original_size_bytes=info.st_size)
+
+    def open_read_only(self, name: str) -> int:
+        """An O_RDONLY fd of `name` (another store's file, read as a peer): a regular file of ours
+        alone, never through a link; ConfigError otherwise. Creates nothing."""
+        if self.fd is None:
+            raise ValueError(f"cold directory {self.path!r} is closed")
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as exc:
+            raise self._foreign_file_error(self.file_path(name), exc.strerror) from None
+        why = _not_ours_alone(os.fstat(fd))
+        if why:
+            os.close(fd)
+            raise self._foreign_file_error(self.file_path(name), why)
+        return fd
 
     def open_preallocated(self, name: str, size_bytes: int) -> OwnedFile:
         """`open_file(name)` with at least `size_bytes` allocated on disk, so a full disk fails
@@ -214,7 +272,7 @@ class ColdDirectory:
 
     # ---- end -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the lock and the directory fd; keep every file (the blocks are durable)."""
+        """Close the lock file and the directory fd; keep every file (the blocks are durable)."""
         if self._lock is not None:
             os.close(self._lock.fd)  # closing the fd releases the flock
             self._lock = None

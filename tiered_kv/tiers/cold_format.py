@@ -2,8 +2,10 @@
 
 Files (inside the store's ColdDirectory, named by `layout_signature`, which starts with the format
 version, so a file of another version or layout is never opened, misread or deleted):
-  `kv-v1-<16 hex>.blocks`  the preallocated block file, one record per slot
-  `kv-v1-<16 hex>.index`   the durable index (sqlite3, WAL; see cold_index.py), made at the first persist
+  `kv-v1-<16 hex>[-<n>].blocks`  block file n (none: 0), preallocated, one record per slot; each
+                                 process on the directory holds one (flock) and only it writes there
+  `kv-v1-<16 hex>[-<n>].index`   its durable index (sqlite3, WAL; see cold_index.py), made at the first
+                                 persist; other processes read it (and the block file) read-only
 
 Record of slot s, at s * record_stride_bytes (a multiple of 4096, so every record starts page aligned
 for O_DIRECT / GPUDirect Storage):
@@ -31,6 +33,7 @@ every platform); it is not a CRC, but detects bit flips and torn writes as well 
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from dataclasses import dataclass
 
@@ -65,12 +68,27 @@ def layout_signature(layout: KVLayout) -> str:
     return f"v{FORMAT_VERSION}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
-def block_file_name(layout: KVLayout) -> str:
-    return f"kv-{layout_signature(layout)}.blocks"
+def block_file_name(layout: KVLayout, number: int = 0) -> str:
+    """Block file `number` of this layout: each process on a cold directory writes one of its own."""
+    return f"kv-{layout_signature(layout)}{f'-{number}' if number else ''}.blocks"
 
 
-def index_file_name(layout: KVLayout) -> str:
-    return f"kv-{layout_signature(layout)}.index"
+def index_file_name(layout: KVLayout, number: int = 0) -> str:
+    """The index of block file `number` (written only by the process that holds that file)."""
+    return f"kv-{layout_signature(layout)}{f'-{number}' if number else ''}.index"
+
+
+# kv-v1-<16 hex>[-<number>].<blocks | index | index-wal | index-shm>
+FILE_NAME = re.compile(r"kv-v1-([0-9a-f]{16})(?:-([1-9][0-9]{0,2}))?\.(blocks|index(?:-wal|-shm)?)")
+MAX_FILES = 256  # block files per layout in one directory: processes writing it at once
+
+
+def file_number(name: str) -> tuple[str, int, str] | None:
+    """(layout hex, file number, kind) of one of our file names, else None."""
+    match = FILE_NAME.fullmatch(name)
+    if match is None:
+        return None
+    return match.group(1), int(match.group(2) or 0), match.group(3)
 
 
 def header_bytes(layout: KVLayout) -> int:

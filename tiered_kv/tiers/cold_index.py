@@ -26,6 +26,7 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS records (slot INTEGER PRIMARY KEY, key BLOB NOT NULL, root BLOB NOT NULL, "
     "checksums BLOB NOT NULL, last_access REAL NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS records_by_key ON records(key)",  # peers look records up by key
 )
 
 

@@ -1,6 +1,8 @@
 """`tiered-kv gc`: which records to drop (`choose_drops`, pure policy) and dropping them (`run_gc`).
 
-`run_gc` holds the directory's writer lock (ColdDirectory) throughout, so no store runs meanwhile. Per
+`run_gc` runs only while no store is attached (none holds a block file) and holds the directory's start
+lock (ColdDirectory.start_lock) throughout, so no store claims a block file meanwhile: gc never drops a
+record a live process writes or reads. Per
 block file, it deletes the dropped rows in one index transaction, then zeroes their headers and
 fdatasyncs. That order is safe at every crash point: once the row is gone the record is no longer
 durable (a store's slot pools start from the index, and a later write zeroes the header anyway); a
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from ..tiers import cold_format as fmt
 from ..tiers.cold_files import ColdDirectory
 from ..tiers.cold_index import ColdIndex
-from .cold_scan import ColdScan, Record, open_directory, scan, store_running
+from .cold_scan import ColdScan, Record, any_block_file_held, open_directory, scan, store_running
 
 
 class StoreRunning(ValueError):
@@ -79,26 +81,34 @@ def run_gc(path: str, drop_roots=(), keep_roots=(), max_bytes=None, drop_bad=Fal
     dir_fd = open_directory(path)  # a cold directory already: ColdDirectory would create a missing one
     try:
         if store_running(dir_fd):
-            raise StoreRunning(f"a store is running on {os.path.abspath(path)!r} (it holds its .lock); "
-                               "stop it before gc")
+            raise StoreRunning(f"a store is running on {os.path.abspath(path)!r} (it holds a block file or "
+                               "its .lock); stop it before gc")
     finally:
         os.close(dir_fd)
-    directory = ColdDirectory(path)  # ConfigError should one start meanwhile
+    directory = ColdDirectory(path)
     try:
-        found = scan(path, verify=drop_bad, locked=True)
-        roots = {r.root for r in found.records}
-        bad = {(f.name, slot): why for f in found.files for slot, why in (f.bad or [])}
-        drops = choose_drops(found.records, resolve_roots(list(drop_roots), roots, "--drop-root"),
-                             resolve_roots(list(keep_roots), roots, "--keep-root") if keep_roots else None,
-                             max_bytes, bad)
-        if not dry_run:
-            for entry in found.files:
-                slots = [d.record.slot for d in drops if d.record.file == entry.name]
-                if slots:
-                    _drop(directory, entry, slots)
-        return found, drops
+        with directory.start_lock():  # ColdPathInUseError (a ConfigError) while a store claims a file
+            return _gc_locked(directory, path, drop_roots, keep_roots, max_bytes, drop_bad, dry_run)
     finally:
         directory.close()
+
+
+def _gc_locked(directory, path, drop_roots, keep_roots, max_bytes, drop_bad, dry_run):
+    if any_block_file_held(directory.fd):  # one started between the first look and the lock
+        raise StoreRunning(f"a store is running on {os.path.abspath(path)!r} (it holds a block file); stop it "
+                           "before gc")
+    found = scan(path, verify=drop_bad, locked=True)
+    roots = {r.root for r in found.records}
+    bad = {(f.name, slot): why for f in found.files for slot, why in (f.bad or [])}
+    drops = choose_drops(found.records, resolve_roots(list(drop_roots), roots, "--drop-root"),
+                         resolve_roots(list(keep_roots), roots, "--keep-root") if keep_roots else None,
+                         max_bytes, bad)
+    if not dry_run:
+        for entry in found.files:
+            slots = [d.record.slot for d in drops if d.record.file == entry.name]
+            if slots:
+                _drop(directory, entry, slots)
+    return found, drops
 
 
 def _drop(directory: ColdDirectory, entry, slots: list[int]) -> None:

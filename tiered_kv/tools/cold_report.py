@@ -37,6 +37,7 @@ def inspect_json(found: ColdScan) -> dict:
         layout = f.layout
         files.append({
             "name": f.name, "index": f.index_name, "file_bytes": f.size_bytes, "problem": f.problem,
+            "attached": f.attached, "owner_pid": f.owner_pid,
             "layout": None if layout is None else {
                 "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
                 "block_size": layout.block_size, "dtype": layout.dtype_name, "block_bytes": layout.block_bytes,
@@ -50,6 +51,7 @@ def inspect_json(found: ColdScan) -> dict:
                                                   "bad": [{"slot": s, "reason": why} for s, why in f.bad]},
         })
     return {"path": found.path, "store_running": found.store_running, "free_disk_bytes": found.free_disk_bytes,
+            "attached": [{"file": name, "pid": pid} for name, pid in found.attached],
             "files": files, "ignored": [{"name": n, "why": why} for n, why in found.ignored]}
 
 
@@ -57,8 +59,13 @@ def inspect_text(found: ColdScan) -> str:
     running = "yes" if found.store_running else "no"
     lines = [f"cold directory {found.path}",
              f"  store running: {running}; free disk {human_bytes(found.free_disk_bytes)}"]
+    attached = found.attached
+    lines.append(f"  processes attached: {len(attached)}" + "".join(
+        f"\n    pid {pid if pid is not None else '?'} writes {name}" for name, pid in attached))
     for f in inspect_json(found)["files"]:
         lines.append(f["name"] if f["file_bytes"] is not None else f"{f['name']} (missing; index {f['index']})")
+        if f["attached"]:
+            lines.append(f"  attached: a running store (pid {f['owner_pid'] or '?'}) writes this file")
         layout = f["layout"]
         if layout:
             lines.append(f"  layout: {layout['num_layers']} layers x {layout['num_kv_heads']} kv heads x head_dim "

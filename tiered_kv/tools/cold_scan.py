@@ -1,10 +1,12 @@
 """Read-only view of a cold directory: its layout files, index rows and, on request, every record checked.
 
-Never writes, never takes the writer lock, never follows a link: the directory is opened O_RDONLY and
-every file inside relative to it with O_RDONLY | O_NOFOLLOW; records are read with os.pread. The index
-(sqlite3, WAL) is opened `mode=ro` only while a store runs (its -wal and -shm exist then); otherwise a
-clean index (no -wal left) is opened `immutable=1`, which creates nothing, and one a crashed store left
-with a -wal is read from a private copy, so its -shm is never created in the directory.
+Never writes, never holds a lock, never follows a link: the directory is opened O_RDONLY and every file
+inside relative to it with O_RDONLY | O_NOFOLLOW; records are read with os.pread. Each block file is
+written by at most one store (process), which holds an exclusive flock on it: a non-blocking shared
+flock, released at once, tells whether a store is attached, and /proc/locks which process it is. An
+index (sqlite3, WAL) is opened `mode=ro` only while its store runs (its -wal and -shm exist then);
+otherwise a clean index (no -wal left) is opened `immutable=1`, which creates nothing, and one a
+crashed store left with a -wal is read from a private copy, so its -shm is never created here.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ..tiers import cold_format as fmt
 from ..tiers.cold_files import LOCK_NAME
 
 log = logging.getLogger(__name__)
-_OURS = re.compile(r"kv-v1-([0-9a-f]{16})\.(blocks|index(?:-wal|-shm)?)")
+_OURS = fmt.FILE_NAME
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -49,8 +51,10 @@ class Record:
 
 @dataclass
 class LayoutFile:
-    name: str  # kv-v1-<16 hex>.blocks
+    name: str  # kv-v1-<16 hex>[-<n>].blocks
     size_bytes: int | None = None  # None: no block file
+    attached: bool = False  # a running store holds (writes) this block file
+    owner_pid: int | None = None  # that store's process, when /proc/locks names it
     index_name: str | None = None
     layout: KVLayout | None = None
     records: list[Record] = field(default_factory=list)
@@ -75,6 +79,11 @@ class ColdScan:
     ignored: list[tuple[str, str]]  # (name, why)
 
     @property
+    def attached(self) -> list[tuple[str, int | None]]:
+        """(block file, process id or None) of every store attached to the directory."""
+        return [(f.name, f.owner_pid) for f in self.files if f.attached]
+
+    @property
     def records(self) -> list[Record]:
         return [r for f in self.files for r in f.records]
 
@@ -93,9 +102,22 @@ def open_directory(path: str) -> int:
 
 
 def store_running(dir_fd: int) -> bool:
-    """Whether a store holds the directory's lock: a non-blocking shared flock that creates nothing."""
+    """Whether a store is attached to the directory (holds a block file) or claims one now (holds
+    its lock file): non-blocking shared flocks, each released at once, that create nothing."""
+    return any(_held(dir_fd, name) for name in os.listdir(dir_fd)
+               if name == LOCK_NAME or (fmt.file_number(name) or ("", 0, ""))[2] == "blocks")
+
+
+def any_block_file_held(dir_fd: int) -> bool:
+    """Whether a store is attached: it holds one of the block files."""
+    return any(_held(dir_fd, name) for name in os.listdir(dir_fd)
+               if (fmt.file_number(name) or ("", 0, ""))[2] == "blocks")
+
+
+def _held(dir_fd: int, name: str) -> bool:
+    """Whether some process holds an exclusive flock on `name`."""
     try:
-        fd = os.open(LOCK_NAME, _OPEN, dir_fd=dir_fd)
+        fd = os.open(name, _OPEN, dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     try:
@@ -122,7 +144,7 @@ def scan(path: str, verify: bool = False, locked: bool = False) -> ColdScan:
         names = sorted(os.listdir(dir_fd))
         for name in names:
             match = _OURS.fullmatch(name)
-            if name == LOCK_NAME or (match and match.group(2).startswith("index-")):
+            if name == LOCK_NAME or (match and match.group(3).startswith("index-")):
                 continue
             if not match:
                 ignored.append((name, "another format version" if re.match(r"kv-v\d+-", name) else "not ours"))
@@ -131,16 +153,36 @@ def scan(path: str, verify: bool = False, locked: bool = False) -> ColdScan:
             if not stat.S_ISREG(info.st_mode):
                 ignored.append((name, "not a regular file"))
                 continue
-            entry = files.setdefault(match.group(1), LayoutFile(f"kv-v1-{match.group(1)}.blocks"))
-            if match.group(2) == "blocks":
+            signature, number, kind = fmt.file_number(name)
+            entry = files.setdefault((signature, number), LayoutFile(
+                f"kv-v1-{signature}{f'-{number}' if number else ''}.blocks"))
+            if kind == "blocks":
                 entry.size_bytes = info.st_size
+                entry.attached = not locked and _held(dir_fd, name)
+                entry.owner_pid = _flock_holders().get((info.st_dev, info.st_ino)) if entry.attached else None
             else:
                 entry.index_name = name
-        for signature, entry in sorted(files.items()):
-            _load(dir_fd, path, signature, entry, running, names, verify)
+        for (signature, _), entry in sorted(files.items()):
+            _load(dir_fd, path, signature, entry, running and (entry.attached or entry.size_bytes is None), names,
+                  verify)
         return ColdScan(path, running, disk.f_bavail * disk.f_frsize, list(files.values()), ignored)
     finally:
         os.close(dir_fd)
+
+
+def _flock_holders() -> dict[tuple[int, int], int]:
+    """(st_dev, st_ino) -> pid of each exclusive flock on this machine (Linux /proc/locks; {} elsewhere)."""
+    holders = {}
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()  # 1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[3] == "WRITE":
+                    major, minor, inode = parts[5].split(":")
+                    holders[(os.makedev(int(major, 16), int(minor, 16)), int(inode))] = int(parts[4])
+    except (OSError, ValueError):
+        return {}
+    return holders
 
 
 def _load(dir_fd, path, signature, entry: LayoutFile, running, names, verify) -> None:

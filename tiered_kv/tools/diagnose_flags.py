@@ -19,7 +19,7 @@ diagnose_report.Report. Each rule below fires on a measured figure, says it, and
                      its token slots empty -> lower block_size (to the largest power of two under)
   link_saturated     link saturation peaked above scheduler.bs_threshold (background moves wait)
                      -> raise hot.capacity, so fewer blocks cross the link
-  cold_unavailable   cold is configured but another store holds its directory -> own cold.path
+  cold_unavailable   cold is configured but every block file there is held -> fewer stores or own cold.path
 """
 
 from __future__ import annotations
@@ -199,4 +199,5 @@ def _cold_unavailable(report: Report, _: Thresholds) -> list[Flag]:
     if not report.settings["cold.configured"] or not cold.location.startswith("unavailable"):
         return []
     return [Flag("cold_unavailable", f"cold is configured but {cold.location}", "cold.path",
-                 "give this store its own cold.path (one store writes a cold directory at a time)", 1.0, 0.0)]
+                 "run fewer stores at once on this cold.path, or give this one its own (it reads the others' records "
+                 "there but writes none)", 1.0, 0.0)]
