@@ -152,19 +152,25 @@ def test_a_block_file_is_held_across_processes_and_released_on_close(private_dir
     assert subprocess.run(other, capture_output=True, text=True, cwd=cwd, check=True).stdout.strip() == "0"
 
 
-def test_a_start_lock_held_too_long_is_a_clear_error(private_dir):
+def test_a_directory_held_exclusively_is_a_clear_error_after_a_bounded_wait(private_dir):
+    """gc (or a store of an older tiered_kv) holds the lock exclusively: a store waits for it a
+    bounded time, then ColdPathInUseError names the path and why; once released, it opens at once."""
     from tiered_kv.errors import ColdPathInUseError
-    holder, other = open_cold_directory(str(private_dir)), open_cold_directory(str(private_dir))
+    from tiered_kv.tiers.cold_files import ColdDirectory
+    gc = ColdDirectory(str(private_dir), shared=False)
     try:
-        with holder.start_lock():
-            with pytest.raises(ColdPathInUseError, match=r"'cold\.path'.*held its \.lock for over"):
-                with other.start_lock(wait_s=0.2):
-                    pass
-        with other.start_lock(wait_s=0.2):  # released: had at once
-            pass
+        with gc.exclusive_lock():
+            with pytest.raises(ColdPathInUseError, match=r"'cold\.path'.*is in use: another process holds it "
+                                                         r"exclusively"):
+                open_cold_directory(str(private_dir), lock_wait_s=0.2)
+            store = None
+        store = open_cold_directory(str(private_dir), lock_wait_s=0.2)
+        with pytest.raises(ColdPathInUseError, match="stores run on it"):  # and gc waits for no store
+            with gc.exclusive_lock():
+                pass
+        store.close()
     finally:
-        holder.close()
-        other.close()
+        gc.close()
 
 
 # --- names planted inside --------------------------------------------------------------------

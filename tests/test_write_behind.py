@@ -367,3 +367,43 @@ def test_a_tmpfs_filling_up_mid_chat_costs_only_durability(model, conversations,
             store.close()
     finally:
         umount_tmpfs(mount)
+
+
+def test_the_owner_drops_a_record_only_once_a_peer_has_read_it(tmp_path):
+    """A peer holds the shared record lock while it reads (cold_peers.py): the owner's forget of
+    that slot (zeroing its header) waits for it, then goes on."""
+    import threading
+    from tiered_kv.blocks import KVLayout
+    from tiered_kv.tiers import ColdTier
+    from tiered_kv.tiers import cold_format as fmt
+    from tiered_kv.tiers.cold_files import open_cold_directory
+    from tiered_kv.tiers.cold_peers import record_lock, record_unlock
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype_name="float32")
+    directory = open_cold_directory(str(tmp_path / "cold"))
+    tier = ColdTier(layout, 4, directory, backend="posix")
+    reader = None
+    try:
+        tier.write_blocks([2], torch.ones((1, *layout.record_shape())))
+        tier.persist(2, b"k" * 16, b"r" * 16)
+        tier.flush()
+        reader = directory.open_read_only(os.path.basename(tier.file_path))
+        stride, at = tier.record_stride_bytes, 2 * tier.record_stride_bytes + fmt.header_offset_bytes(layout)
+
+        def header():
+            page = torch.frombuffer(bytearray(os.pread(reader, fmt.header_bytes(layout), at)), dtype=torch.uint8)
+            return fmt.unpack_header(layout, 2, page.numpy())
+
+        assert record_lock(reader, 2, stride, exclusive=False, wait_s=0)
+        dropping = threading.Thread(target=tier.forget, args=([2],))
+        dropping.start()
+        time.sleep(0.1)
+        assert header().key == b"k" * 16  # still there while the peer reads
+        record_unlock(reader, 2, stride)
+        dropping.join()
+        with pytest.raises(fmt.FormatError):
+            header()  # zeroed once the read ended
+    finally:
+        if reader is not None:
+            os.close(reader)
+        tier.close()
+        directory.close()

@@ -33,7 +33,7 @@ import torch
 
 from ..blocks import COLD, TIER_NAMES, KVLayout
 from ..config import Config, load_config
-from ..errors import BankClosedError, LayoutError
+from ..errors import BankClosedError, ColdPathInUseError, LayoutError
 from ..hw.copy_engine import make_copy_engine
 from ..hw.devices import resolve_device, resolve_pinned
 from ..hw.link_monitor import make_link_monitor
@@ -121,7 +121,11 @@ class TierStore:
             self.copy_engine = make_copy_engine(self.device, self.config.copies.engine, self.config.copies.delay_us)
             if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
                 # fail at start, not at the first spill, when the cold directory is unusable
-                self._cold_directory = open_cold_directory(self.config.cold.path)
+                try:
+                    self._cold_directory = open_cold_directory(self.config.cold.path)
+                except ColdPathInUseError as error:  # gc, or an older tiered_kv's store, holds it
+                    self.cold_unavailable = str(error)
+                    log.warning("%s; this store runs without a cold tier (hot and warm only)", error)
             if self.config.remote.enabled:  # a wrong password (or, when required, a server down) fails the start
                 self.remote = RemoteTier(self.config.remote, self.metrics)
         except BaseException:
@@ -192,8 +196,9 @@ class TierStore:
 
     def _bind(self, layout: KVLayout, dtype: torch.dtype) -> None:
         made = self.state.tiers  # what building made, closed by _release_resources if it fails partway
-        tiers, pools, self.cold_unavailable = building.build_tiers(self.config, layout, dtype, self.device,
-                                                                   self.pinned, self._cold_directory, made)
+        tiers, pools, unavailable = building.build_tiers(self.config, layout, dtype, self.device, self.pinned,
+                                                         self._cold_directory, made)
+        self.cold_unavailable = self.cold_unavailable or unavailable
         self.peers = building.peers_of(self._cold_directory, layout, tiers[COLD])
         staging = building.build_staging(layout, dtype, self.device, self.pinned, [p.num_slots for p in pools])
         if tiers[COLD] is not None:

@@ -2,10 +2,12 @@
 
 `open_cold_directory(path)` creates what is missing of `path` (mode 0700, remembering what it
 made), opens it and keeps its fd, and refuses a directory that another user could write into.
-Many stores (processes) share one directory: each claims a block file of its own
-(`claim_block_file`: the first one no live store holds, under a short start lock on LOCK_NAME,
-then an exclusive flock on the file for the store's life) and reads the others' read-only
-(cold_peers.py). Every file inside is opened relative to that fd with
+Many stores (processes) share one directory. Each holds a shared flock on LOCK_NAME for its life
+(gc takes it exclusively, so it runs only while no store does; a store of an older tiered_kv, which
+held it exclusively, and one of this version never run on one directory together), claims a block
+file of its own (`claim_block_file`: the first one no live store holds an exclusive flock on, kept
+for the store's life) and reads the others' read-only (cold_peers.py). Every file inside is opened
+relative to that fd with
 O_NOFOLLOW, so a symlink planted at one of our names is refused, never followed: its target is
 neither written, truncated nor chmod'ed. New files are created 0600 with O_EXCL; an existing file
 is reused only when it is a regular file of ours that no other user can read or write.
@@ -32,7 +34,7 @@ DIRECTORY_MODE = 0o700
 FILE_MODE = 0o600
 _NO_FOLLOW = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 _LOCK_ATTEMPTS = 3
-START_LOCK_WAIT_S = 10.0  # a store waits this long for another's claim of a block file to end
+LOCK_WAIT_S = 10.0  # a store waits this long for the directory's lock (gc, or an older tiered_kv, holding it)
 _CAPACITY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -48,9 +50,9 @@ class OwnedFile:
     original_size_bytes: int
 
 
-def open_cold_directory(path: str) -> "ColdDirectory":
-    """The store's cold directory, created, checked and locked; ConfigError otherwise."""
-    return ColdDirectory(path)
+def open_cold_directory(path: str, lock_wait_s: float = LOCK_WAIT_S) -> "ColdDirectory":
+    """The store's cold directory, created, checked and locked (shared); ConfigError otherwise."""
+    return ColdDirectory(path, lock_wait_s=lock_wait_s)
 
 
 class ColdDirectory:
@@ -59,7 +61,9 @@ class ColdDirectory:
     A symlink at `path` itself is followed (it is the user's config); names inside never are.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, shared: bool = True, lock_wait_s: float = LOCK_WAIT_S):
+        """`shared`: hold the directory's lock shared, as a store (False: gc, which takes it with
+        `exclusive_lock`)."""
         self.path = os.path.abspath(path)
         self.fd: int | None = None
         self.created_directories: list[str] = []  # outermost first
@@ -68,7 +72,8 @@ class ColdDirectory:
         try:
             self._make_missing_directories()
             self.fd = self._open_directory()
-            self._lock = self.open_file(LOCK_NAME)  # held (flock) only while a store claims a block file
+            if shared:
+                self._lock = self._take_lock(fcntl.LOCK_SH, lock_wait_s)
         except BaseException:
             self.abort()
             raise
@@ -117,16 +122,15 @@ class ColdDirectory:
             raise self._path_error(f"which is {problem}; it is left as it is")
         return fd
 
-    @contextlib.contextmanager
-    def start_lock(self, wait_s: float = START_LOCK_WAIT_S):
-        """Exclusive flock on LOCK_NAME while a store claims its block file (or gc runs), waited for
-        up to `wait_s`: ColdPathInUseError when another holds it longer."""
+    def _take_lock(self, mode: int, wait_s: float) -> OwnedFile:
+        """A flock (`mode`: LOCK_SH for a store, LOCK_EX for gc) on LOCK_NAME, waited for up to
+        `wait_s` (polling): ColdPathInUseError when another process holds it the other way longer."""
         deadline = time.monotonic() + wait_s
         for _ in range(_LOCK_ATTEMPTS):
             lock = self.open_file(LOCK_NAME)
             while True:
                 try:
-                    fcntl.flock(lock.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(lock.fd, mode | fcntl.LOCK_NB)
                     break
                 except OSError as exc:
                     if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
@@ -134,42 +138,52 @@ class ColdDirectory:
                         raise self._path_error(f"whose lock file cannot be locked ({exc.strerror})") from None
                     if time.monotonic() >= deadline:
                         os.close(lock.fd)
+                        held = "stores run on it" if mode == fcntl.LOCK_EX else \
+                            "another process holds it exclusively (tiered-kv gc, or a store of an older tiered_kv)"
                         raise ColdPathInUseError(
-                            f"config key 'cold.path': {self.path!r}: another process held its {LOCK_NAME} for over "
-                            f"{wait_s:.0f} s (a store claiming a block file, or tiered-kv gc); allowed: a cold.path "
-                            "whose lock is released in time") from None
+                            f"config key 'cold.path': {self.path!r} is in use: {held}, for over {wait_s:.0f} s; "
+                            "allowed: a cold.path no such process holds") from None
                     time.sleep(0.01)
             # a store whose start failed may have removed the name after we opened it: lock the live one
             if self._is_live(LOCK_NAME, lock.fd):
-                try:
-                    yield
-                finally:
-                    os.close(lock.fd)  # closing our fd of it releases the flock
-                return
+                return lock
             os.close(lock.fd)
         raise self._path_error(f"whose lock file {LOCK_NAME!r} keeps being replaced while we lock it")
+
+    @contextlib.contextmanager
+    def exclusive_lock(self, wait_s: float = 0.0):
+        """The directory's lock, exclusively (gc): no store runs on it meanwhile, none starts."""
+        lock = self._take_lock(fcntl.LOCK_EX, wait_s)
+        try:
+            yield
+        finally:
+            os.close(lock.fd)
 
     def claim_block_file(self, name_of, size_bytes: int, max_files: int) -> tuple[OwnedFile, int]:
         """(the file, its number): the first of `name_of(0..max_files-1)` no live store holds,
         created if missing, flock'ed exclusively until it is closed, preallocated to `size_bytes`
-        (see open_preallocated). ColdPathInUseError when every one is held."""
-        with self.start_lock():
-            for number in range(max_files):
-                name = name_of(number)
-                file = self.open_file(name)
-                try:
-                    fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as exc:
-                    os.close(file.fd)
-                    if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                        continue  # a live store writes this one
-                    raise self._path_error(f"where {name!r} cannot be locked ({exc.strerror})") from None
-                try:
-                    _preallocate(file, size_bytes)
-                except BaseException:
-                    self.discard(file)
-                    raise
-                return file, number
+        (see open_preallocated). ColdPathInUseError when every one is held. Two stores claiming at
+        once never get one file: the flock decides, and a name that a failed start removed after we
+        opened it is never kept."""
+        for number in range(max_files):
+            name = name_of(number)
+            file = self.open_file(name)
+            try:
+                fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(file.fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    continue  # a live store writes this one
+                raise self._path_error(f"where {name!r} cannot be locked ({exc.strerror})") from None
+            if not self._is_live(name, file.fd):  # removed by a start that failed: take the next name
+                os.close(file.fd)
+                continue
+            try:
+                _preallocate(file, size_bytes)
+            except BaseException:
+                self.discard(file)
+                raise
+            return file, number
         raise ColdPathInUseError(
             f"config key 'cold.path': {self.path!r}: all {max_files} block files of this layout are held by running "
             "stores; allowed: fewer stores at once on one cold.path")

@@ -7,7 +7,8 @@ and reads each record from the peer's block file, opened read-only. A record is 
 header names the row's key, root and checksums and every layer slice matches its checksum: a record
 its owner replaced meanwhile, a torn or corrupt one, is a miss (recomputed), never served.
 
-Reads and overwrites of a record are ordered by POSIX record locks on its byte range: a reader holds
+Reads and overwrites of a record are ordered by record locks on its byte range (Linux open file
+description locks, so two stores in one process are ordered too; POSIX record locks elsewhere): a reader holds
 a shared lock while it preads a record; the owner takes the exclusive lock before it overwrites a
 slot that held a durable record (or zeroes its header), so eviction never drops a record while a
 peer reads it. Both wait PEER_READ_WAIT_S at most (a reader stopped under a debugger must not stall
@@ -21,6 +22,8 @@ import fcntl
 import logging
 import os
 import sqlite3
+import struct
+import sys
 import threading
 import time
 
@@ -36,13 +39,28 @@ PEER_READ_WAIT_S = 0.5  # the longest a read waits for an overwrite of its recor
 _KEYS_PER_QUERY = 500  # sqlite's bound parameters per statement stay well under its limit
 
 
+# Linux's open-file-description locks: they conflict between two fds of one process too (two stores
+# in one process), and closing one fd never drops a lock taken through another; classic POSIX
+# record locks (per process) elsewhere
+_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", None) if sys.platform.startswith("linux") else None
+
+
+def _set_lock(fd: int, kind: int, start: int, length: int) -> None:
+    if _OFD_SETLK is not None:
+        fcntl.fcntl(fd, _OFD_SETLK, struct.pack("hhqqi4x", kind, os.SEEK_SET, start, length, 0))  # struct flock
+    else:
+        command = {fcntl.F_RDLCK: fcntl.LOCK_SH | fcntl.LOCK_NB, fcntl.F_WRLCK: fcntl.LOCK_EX | fcntl.LOCK_NB,
+                   fcntl.F_UNLCK: fcntl.LOCK_UN}[kind]
+        fcntl.lockf(fd, command, length, start, os.SEEK_SET)
+
+
 def record_lock(fd: int, slot: int, stride_bytes: int, exclusive: bool, wait_s: float) -> bool:
-    """A POSIX record lock on slot `slot`'s record; False when not had within `wait_s` (or unsupported)."""
-    command = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+    """A record lock on slot `slot`'s record (shared or exclusive); False when not had within `wait_s`."""
+    kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            fcntl.lockf(fd, command, stride_bytes, slot * stride_bytes, os.SEEK_SET)
+            _set_lock(fd, kind, slot * stride_bytes, stride_bytes)
             return True
         except OSError as exc:
             if exc.errno not in (errno.EACCES, errno.EAGAIN) or time.monotonic() >= deadline:
@@ -51,7 +69,7 @@ def record_lock(fd: int, slot: int, stride_bytes: int, exclusive: bool, wait_s: 
 
 
 def record_unlock(fd: int, slot: int, stride_bytes: int) -> None:
-    fcntl.lockf(fd, fcntl.LOCK_UN, stride_bytes, slot * stride_bytes, os.SEEK_SET)
+    _set_lock(fd, fcntl.F_UNLCK, slot * stride_bytes, stride_bytes)
 
 
 class PeerFiles:

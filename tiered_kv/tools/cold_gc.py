@@ -1,8 +1,8 @@
 """`tiered-kv gc`: which records to drop (`choose_drops`, pure policy) and dropping them (`run_gc`).
 
-`run_gc` runs only while no store is attached (none holds a block file) and holds the directory's start
-lock (ColdDirectory.start_lock) throughout, so no store claims a block file meanwhile: gc never drops a
-record a live process writes or reads. Per
+`run_gc` holds the directory's lock exclusively (ColdDirectory.exclusive_lock) throughout: every
+running store holds it shared, so gc runs only while none does, and none starts meanwhile; gc never
+drops a record a live process writes or reads. Per
 block file, it deletes the dropped rows in one index transaction, then zeroes their headers and
 fdatasyncs. That order is safe at every crash point: once the row is gone the record is no longer
 durable (a store's slot pools start from the index, and a later write zeroes the header anyway); a
@@ -85,16 +85,16 @@ def run_gc(path: str, drop_roots=(), keep_roots=(), max_bytes=None, drop_bad=Fal
                                "its .lock); stop it before gc")
     finally:
         os.close(dir_fd)
-    directory = ColdDirectory(path)
+    directory = ColdDirectory(path, shared=False)
     try:
-        with directory.start_lock():  # ColdPathInUseError (a ConfigError) while a store claims a file
+        with directory.exclusive_lock():  # ColdPathInUseError (a ConfigError) should a store start meanwhile
             return _gc_locked(directory, path, drop_roots, keep_roots, max_bytes, drop_bad, dry_run)
     finally:
         directory.close()
 
 
 def _gc_locked(directory, path, drop_roots, keep_roots, max_bytes, drop_bad, dry_run):
-    if any_block_file_held(directory.fd):  # one started between the first look and the lock
+    if any_block_file_held(directory.fd):  # a store of an older tiered_kv holds no shared lock
         raise StoreRunning(f"a store is running on {os.path.abspath(path)!r} (it holds a block file); stop it "
                            "before gc")
     found = scan(path, verify=drop_bad, locked=True)

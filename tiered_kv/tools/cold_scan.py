@@ -102,10 +102,9 @@ def open_directory(path: str) -> int:
 
 
 def store_running(dir_fd: int) -> bool:
-    """Whether a store is attached to the directory (holds a block file) or claims one now (holds
-    its lock file): non-blocking shared flocks, each released at once, that create nothing."""
-    return any(_held(dir_fd, name) for name in os.listdir(dir_fd)
-               if name == LOCK_NAME or (fmt.file_number(name) or ("", 0, ""))[2] == "blocks")
+    """Whether a store runs on the directory (holds its lock file, shared, or a block file): non-blocking
+    flocks, each released at once, that create nothing."""
+    return _held(dir_fd, LOCK_NAME, fcntl.LOCK_EX) or any_block_file_held(dir_fd)
 
 
 def any_block_file_held(dir_fd: int) -> bool:
@@ -114,20 +113,21 @@ def any_block_file_held(dir_fd: int) -> bool:
                if (fmt.file_number(name) or ("", 0, ""))[2] == "blocks")
 
 
-def _held(dir_fd: int, name: str) -> bool:
-    """Whether some process holds an exclusive flock on `name`."""
+def _held(dir_fd: int, name: str, probe: int = fcntl.LOCK_SH) -> bool:
+    """Whether some process holds a flock on `name` that `probe` (LOCK_SH: an exclusive one; LOCK_EX:
+    any) conflicts with."""
     try:
         fd = os.open(name, _OPEN, dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, probe | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             return True
         raise
     finally:
-        os.close(fd)  # releases the shared lock, if taken
+        os.close(fd)  # releases the probe's lock, if taken
     return False
 
 
