@@ -6,7 +6,8 @@ left open, some offloaded: history in hot, warm and cold) on one cold.path and i
 random moment. After each kill a fresh store in this process attaches the last turn the child
 finished at least `--settle-s` (2 s) before the kill, continues it, and checks:
   - the continuation equals DynamicCache computing the whole conversation fresh;
-  - the share of that turn's history reattached (target: >= 80% every time);
+  - the share of that turn's history reattached, in full blocks (what a turn publishes; target: >= 80%
+    every time);
   - `tiered-kv inspect --verify` finds no bad record.
 
 share: `--processes` children chat on one cold.path for `--seconds`; each turn continues a
@@ -201,13 +202,16 @@ def run_kills(args, workdir: str) -> dict:
         finally:
             store.close()
         correct = torch.equal(out, generate(model, follow, DynamicCache(config=model.config), CONTINUE_TOKENS))
-        history = ids.shape[1]  # the turn's tokens (the next turn of the chat may have computed its last one)
+        # what the turn made publishable: its full blocks of computed tokens (its last token was generated,
+        # not computed; the chat's next turn may have computed it, so `reused` can exceed this by a block)
+        history = (ids.shape[1] - 1) // BLOCK_SIZE * BLOCK_SIZE
+        share = min(1.0, reused / history)
         bad = _bad_records(cold_dir)
         trials.append({"trial": trial, "settled": bool(settled), "reused": reused, "history": history,
-                       "share": reused / history, "correct": correct, "bad_records": len(bad),
+                       "tokens": ids.shape[1], "share": share, "correct": correct, "bad_records": len(bad),
                        "turns_journaled": len(lines)})
-        print(f"  kill {trial}: {len(lines)} turns; {'settled' if settled else 'unsettled'} turn of {history} "
-              f"tokens, {reused} reattached ({reused / history:.0%}), continuation "
+        print(f"  kill {trial}: {len(lines)} turns; {'settled' if settled else 'unsettled'} turn of {ids.shape[1]} "
+              f"tokens ({history} in full blocks), {reused} reattached ({share:.0%}), continuation "
               f"{'correct' if correct else 'WRONG'}, {len(bad)} bad records", flush=True)
     settled = [t for t in trials if t["settled"]]
     shares = [t["share"] for t in settled]

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -175,3 +176,23 @@ def test_a_store_collected_at_interpreter_shutdown_never_hangs_the_exit(tmp_path
         greedy(model, rand_ids(12, 30), bank, 6)
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+def test_blocks_attach_brings_up_stay_up_until_the_turn_reads_them(tmp_path):
+    """Hot holds the whole history but above its high watermark: the background mover must not
+    take the blocks attach just promoted down again before the turn's first step reads them."""
+    model = tiny_model("llama")
+    out = _first_chat(model, tmp_path, rand_ids(11, 40))
+    config = tier_config("forces_cold", tmp_path)
+    config["hot"].update(capacity_blocks=12, high_watermark=0.5, low_watermark=0.4)
+    bank = tiered_kv.CacheBank(model, config)
+    follow = torch.cat([out, rand_ids(12, 3)], 1)
+    reused = bank.attach(follow)
+    table = bank.block_table()
+    assert reused and bank.store.wait_for_background()
+    time.sleep(0.2)  # ten mover intervals
+    assert all(bank.store.index.get(b).tier == 0 for b in table)  # all still hot
+    promoted = bank.stats()["bytes_moved"]["cold->hot"]
+    assert torch.equal(greedy(model, follow, bank, 3), greedy(model, follow, DynamicCache(config=model.config), 3))
+    assert bank.stats()["bytes_moved"]["cold->hot"] == promoted  # the turn read them where attach put them
+    bank.close()

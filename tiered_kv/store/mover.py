@@ -74,6 +74,11 @@ class Mover:
         self._expected[owner] = frozenset(block_ids)
         self._wake.set()
 
+    def expect(self, owner: int, block_ids: list[int]) -> None:
+        """`owner`'s next step reads these blocks (just promoted for it): until it starts, no
+        optional move takes them down again."""
+        self._expected[owner] = frozenset(block_ids)
+
     def drop_requests(self, owner: int) -> None:
         self._requests.pop(owner, None)
         self._expected.pop(owner, None)

@@ -38,7 +38,11 @@ class Placement:
             return store.scheduler.plan_promotion(wanted, state.index, state.free_slots(), state.capacities,
                                                   state.is_pinned)
 
-        return store.demand.carry_out(make_plan, state.is_pinned).corrupt
+        corrupt = store.demand.carry_out(make_plan, state.is_pinned).corrupt
+        if store.mover is not None and owner is not None:
+            with store.lock:  # its step comes next: no optional move takes them down before it
+                store.mover.expect(owner, block_ids)
+        return corrupt
 
     def _wait_for_flights(self, block_ids: set[int]) -> None:
         """Until none of `block_ids` is in flight (charged to the caller as promote seconds)."""
