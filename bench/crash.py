@@ -13,7 +13,8 @@ finished at least `--settle-s` (2 s) before the kill, continues it, and checks:
 share: `--processes` children chat on one cold.path for `--seconds`; each turn continues a
 conversation any process began (attach reuses the others' durable records, live) and is checked
 against DynamicCache in the child; children are SIGKILLed at random and restarted. At the end:
-no wrong token, no corrupt record (inspect --verify), and how much each attach reused.
+no wrong token, no corrupt record (inspect --verify), how much each attach reused, and, after the
+last kill, how much of the conversations durable by then a fresh store reattaches.
 
 The model is SmolLM2-135M's KV shape with next to no compute (bench/overhead.py), random weights,
 greedy decoding: deterministic, so a parent knows every token.
@@ -242,8 +243,10 @@ def run_share(args, workdir: str) -> dict:
         _kill(children[victim])
         kills += 1
         children[victim] = _spawn({"mode": "share", "cold": cold_dir, "journal": journal, "seed": next(seeds)})
+    ended_at = time.time()
     for child in children:
         _kill(child)
+    final = _final_checks(cold_dir, journal, ended_at - 2.0)
     with open(journal) as f:
         wrong = sum(1 for line in f if '"wrong"' in line)
     lines = [line for line in _journal(journal) if line["reused"] is not None and line["history"] > 0]
@@ -253,7 +256,35 @@ def run_share(args, workdir: str) -> dict:
     return {"processes": args.processes, "seconds": args.seconds, "kills": kills, "turns": len(_journal(journal)),
             "processes_that_chatted": len(pids), "wrong": wrong, "failures": failures, "bad_records": len(bad),
             "continued_turns": len(lines), "reuse_share_median": statistics.median(shares) if shares else None,
-            "reuse_share_at_least_90_percent": sum(s >= 0.9 for s in shares)}
+            "reuse_share_at_least_90_percent": sum(s >= 0.9 for s in shares), "final_checks": final}
+
+
+def _final_checks(cold_dir: str, journal: str, before: float, count: int = 10) -> dict:
+    """After every process was killed: a fresh store reattaches the last `count` conversations whose
+    turn finished before `before` (durable by then) and continues each; what they reused, and whether
+    every continuation equals DynamicCache's."""
+    model = build_model(0, MAX_TOKENS)
+    latest: dict[int, dict] = {}
+    for line in _journal(journal):
+        if line["t"] <= before:
+            latest[line["conversation"]] = line
+    chosen = sorted(latest.values(), key=lambda line: line["t"])[-count:]
+    store = tiered_kv.TierStore(store_config(cold_dir))
+    shares, wrong = [], 0
+    try:
+        for line in chosen:
+            ids = torch.tensor([line["ids"]])
+            follow = torch.cat([ids, torch.tensor([[5, 6, 7]])], 1)
+            bank = tiered_kv.CacheBank(model, store=store)
+            reused = bank.attach(follow)
+            out = generate(model, follow, bank, CONTINUE_TOKENS)
+            bank.close()
+            wrong += not torch.equal(out, generate(model, follow, DynamicCache(config=model.config), CONTINUE_TOKENS))
+            shares.append(min(1.0, reused / max(1, (ids.shape[1] - 1) // BLOCK_SIZE * BLOCK_SIZE)))
+    finally:
+        store.close()
+    return {"conversations": len(chosen), "wrong": wrong, "share_min": min(shares) if shares else None,
+            "share_median": statistics.median(shares) if shares else None}
 
 
 def main(argv=None) -> int:
@@ -282,7 +313,12 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **result}, f, indent=2)
-    return 0 if result["wrong"] == 0 and result["bad_records"] == 0 else 1
+    if args.mode == "share":
+        final = result["final_checks"]
+        print(f"after the last kill: {final['conversations']} conversations durable by then reattached, share min "
+              f"{final['share_min']}, median {final['share_median']}, {final['wrong']} wrong continuations")
+    wrong = result["wrong"] + (result["final_checks"]["wrong"] if args.mode == "share" else 0)
+    return 0 if wrong == 0 and result["bad_records"] == 0 else 1
 
 
 if __name__ == "__main__":

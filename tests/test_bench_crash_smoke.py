@@ -27,3 +27,4 @@ def test_share_smallest_size(tmp_path):
     result = _run(tmp_path, "--mode", "share", "--processes", "2", "--seconds", "8")
     assert result["wrong"] == 0 and result["bad_records"] == 0 and result["failures"] == []
     assert result["turns"] > 0 and result["kills"] >= 1
+    assert result["final_checks"]["wrong"] == 0

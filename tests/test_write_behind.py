@@ -370,9 +370,9 @@ def test_a_tmpfs_filling_up_mid_chat_costs_only_durability(model, conversations,
 
 
 def test_the_owner_drops_a_record_only_once_a_peer_has_read_it(tmp_path):
-    """A peer holds the shared record lock while it reads (cold_peers.py): the owner's forget of
-    that slot (zeroing its header) waits for it, then goes on."""
-    import threading
+    """A peer holds the shared record lock while it reads (cold_peers.py). The owner's forget of
+    that slot returns at once (it runs under the store lock: it never waits); its writer thread
+    zeroes the header only once the read ended."""
     from tiered_kv.blocks import KVLayout
     from tiered_kv.tiers import ColdTier
     from tiered_kv.tiers import cold_format as fmt
@@ -394,12 +394,11 @@ def test_the_owner_drops_a_record_only_once_a_peer_has_read_it(tmp_path):
             return fmt.unpack_header(layout, 2, page.numpy())
 
         assert record_lock(reader, 2, stride, exclusive=False, wait_s=0)
-        dropping = threading.Thread(target=tier.forget, args=([2],))
-        dropping.start()
+        tier.forget([2])  # returns at once
         time.sleep(0.1)
         assert header().key == b"k" * 16  # still there while the peer reads
         record_unlock(reader, 2, stride)
-        dropping.join()
+        tier.flush()
         with pytest.raises(fmt.FormatError):
             header()  # zeroed once the read ended
     finally:
@@ -407,3 +406,64 @@ def test_the_owner_drops_a_record_only_once_a_peer_has_read_it(tmp_path):
             os.close(reader)
         tier.close()
         directory.close()
+
+
+def test_flush_says_so_when_cold_has_no_room_for_a_copy(model, conversations, tmp_path):
+    """Cold full of a chat's own blocks (offloaded there): the other chat's blocks find no room for a
+    copy; flush returns False at once instead of waiting out its timeout, and nothing is lost."""
+    store = tiered_kv.TierStore(shared_config(tmp_path / "cold", "all_hot", cold_blocks=10))
+    try:
+        first = tiered_kv.CacheBank(model, store=store)
+        _chat(model, first, conversations[0])
+        assert store.flush()
+        first.offload("cold")  # its 10 blocks take every cold slot (its 9 copies given back)
+        second = tiered_kv.CacheBank(model, store=store)
+        _chat(model, second, conversations[1])
+        started = time.monotonic()
+        assert store.flush(timeout_s=20) is False
+        assert time.monotonic() - started < 10
+        assert store.check_consistency() == []
+        second.close()
+        first.close()
+    finally:
+        store.close()
+
+
+def test_admit_reused_forgets_blocks_that_are_gone(model, conversations, tmp_path):
+    """Blocks waiting for a second reader (cold.admit: reused) are forgotten when they leave the
+    store, copy or not."""
+    store = tiered_kv.TierStore(shared_config(tmp_path / "cold", "all_hot", admit="reused"))
+    try:
+        bank = tiered_kv.CacheBank(model, store=store)
+        greedy(model, conversations[0].turn_inputs[0], bank, TURNS[0][1])
+        assert store.state.copies._waiting_for_reuse  # published, waiting for a second reader
+        bank.close()  # its published blocks stay as cache
+        with store.lock:  # drop the cache
+            for block_id in [b for b, e in store.index.items() if e.ref_count == 0]:
+                store.state.free_block(block_id)
+        assert not store.state.copies._waiting_for_reuse and not store.state.copies.pending
+    finally:
+        store.close()
+
+
+def test_a_failed_start_never_removes_a_block_file_another_store_claimed(tmp_path):
+    import fcntl
+    from tiered_kv.blocks import KVLayout
+    from tiered_kv.tiers import cold_format as fmt
+    from tiered_kv.tiers.cold_files import open_cold_directory
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype_name="float32")
+    ours = open_cold_directory(str(tmp_path / "cold"))
+    made = ours.open_file(fmt.block_file_name(layout, 0))  # this start made file 0 ...
+    assert made.created
+    theirs = os.open(made.path, os.O_RDWR)
+    fcntl.flock(theirs, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ... and another store claimed it first
+    os.close(made.fd)
+    try:
+        file, number = ours.claim_block_file(lambda n: fmt.block_file_name(layout, n), 4096, fmt.MAX_FILES)
+        assert number == 1
+        os.close(file.fd)
+        ours.abort()  # this start fails: it removes what it made and still owns, only that
+        assert os.path.exists(made.path)
+        assert not os.path.exists(tmp_path / "cold" / fmt.block_file_name(layout, 1))
+    finally:
+        os.close(theirs)

@@ -16,9 +16,15 @@ def check_consistent(state) -> list[str]:
                  if t.batch.completed]
     deferred = {(tier, slot) for tier, slots, _ in state._deferred_frees for slot in slots}
     quarantined = state.quarantined_slots()
-    copies = {(COLD, slot) for slot in state.copies.slot_of.values()} if state.copies else set()
-    problems += [f"block {b} has a durable copy but is not in hot or warm" for b in (state.copies.slot_of if
-                 state.copies else ()) if b not in state.index or state.index.get(b).tier not in (HOT, WARM)]
+    copy_slots = dict(state.copies.slot_of) if state.copies else {}  # block -> cold slot of its copy
+    copies = {(COLD, slot) for slot in copy_slots.values()}
+    problems += [f"block {b} has a durable copy but is not in hot or warm" for b in copy_slots
+                 if b not in state.index or state.index.get(b).tier not in (HOT, WARM)]
+    if len(copies) < len(copy_slots):
+        problems.append("two durable copies share a cold slot")
+    problems += [f"cold slot {key[1]} holds a durable copy and is also {what}" for key in copies
+                 for what, keys in (("a transfer's destination", in_flight_dst), ("waiting to be freed", deferred),
+                                    ("quarantined", quarantined)) if key in keys]
     for tier, pool in enumerate(state.pools):
         owned: dict[int, int] = {}
         for block_id, entry in state.index.items():
@@ -34,7 +40,9 @@ def check_consistent(state) -> list[str]:
                 problems.append(f"{TIER_NAMES[tier]} slot {slot} is used but no block, transfer or free holds it")
             if slot in owned and key in copies:
                 problems.append(f"cold slot {slot} holds block {owned[slot]} and a durable copy")
-            if not pool.is_used(slot) and (slot in owned or key in copies):
+            if not pool.is_used(slot) and key in copies:
+                problems.append(f"cold slot {slot} holds a durable copy but is free")
+            if not pool.is_used(slot) and slot in owned:
                 problems.append(f"{TIER_NAMES[tier]} slot {slot} holds block {owned[slot]} but is free")
     for block_id, entry in state.index.items():
         if entry.tier == DROPPED and entry.key is not None:

@@ -64,7 +64,7 @@ def flush(store, timeout_s: float) -> bool:
     be: False, as when `timeout_s` passed). Called without the lock."""
     if not store.is_bound or store.state.copies is None:
         return True
-    state, deadline = store.state, time.monotonic() + timeout_s
+    state, deadline, complete = store.state, time.monotonic() + timeout_s, True
     while time.monotonic() < deadline:
         version = store.change_version
         with store.lock:
@@ -72,19 +72,26 @@ def flush(store, timeout_s: float) -> bool:
                 return False
             state.drain()
             due = state.copies.due(time.monotonic(), 1.0, len(state.copies.pending), force=True)
-            batch = write_behind.prepare_backups(store.transfers, due, ON_DEMAND) if due else None
+            batch, no_room = write_behind.prepare_backups(store.transfers, due, ON_DEMAND) if due else (None, 0)
             busy = any(t.kind == BACKUP for t in state.in_flight.values())
+        if no_room:
+            complete = False  # cold is full of blocks of its own: those copies wait for room
         if batch is not None and batch.transfers:
             store.demand.run_batch(batch)
+        elif no_room and not busy:
+            break
         elif busy or due:  # copies (or moves of blocks due) still in flight
             store.wait_for_change(version, min(0.05, deadline - time.monotonic()))
         else:
             break
+    cold = state.tiers[COLD]
     try:
-        state.tiers[COLD].flush()
+        if cold is None:  # closed meanwhile
+            return False
+        cold.flush()
     except (ColdWriteError, ValueError):
         return False
-    return time.monotonic() < deadline
+    return complete and time.monotonic() < deadline
 
 
 def persist_before_close(store) -> None:

@@ -188,7 +188,7 @@ class Mover:
         if copies is None or not copies.pending or time.monotonic() < self._cold_retry_at:
             return None
         due = copies.due(time.monotonic(), interval_s, self.batch_blocks)
-        batch = write_behind.prepare_backups(store.transfers, due, BACKGROUND) if due else None
+        batch = write_behind.prepare_backups(store.transfers, due, BACKGROUND)[0] if due else None
         return batch if batch is not None and batch.transfers else None
 
     def _next_plan(self):

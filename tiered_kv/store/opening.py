@@ -91,7 +91,8 @@ class Opening:
                 and (index.get(table[-1]).ref_count > 1 or index.get(table[-1]).key is not None)]
 
     def _in_demand_flight(self, block_set: set[int]) -> bool:
-        return any(t.batch.mode == ON_DEMAND and b in block_set for b, t in self.store.state.in_flight.items())
+        return any(t.batch.mode == ON_DEMAND and t.kind != BACKUP and b in block_set
+                   for b, t in self.store.state.in_flight.items())
 
     def _cancel_background(self, block_set: set[int]) -> None:
         in_flight = self.store.state.in_flight

@@ -13,6 +13,7 @@ import time
 from ..blocks import COLD
 from ..scheduler import Move, Plan
 from .allocation import pseudo_owner
+from .copies import BACKUP
 from .demand import DemandResult
 
 WAIT_FOR_LANDING_S = 30.0  # how long a promotion waits for blocks a background move has in flight
@@ -53,7 +54,8 @@ class Placement:
         while True:
             version = store.change_version
             with store.lock:
-                if not any(b in store.state.in_flight for b in block_ids):
+                in_flight = store.state.in_flight  # (a backup does not move its block: no wait for it)
+                if not any(b in in_flight and in_flight[b].kind != BACKUP for b in block_ids):
                     break
             waited = True
             if not store.wait_for_change(version, deadline - time.monotonic()):

@@ -238,8 +238,8 @@ class StoreState:
         """Remove a block. One a transfer copies is cancelled; its slot waits for that copy."""
         transfer = self.in_flight.pop(block_id, None)
         entry = self.index.remove(block_id)
-        if self.copies and block_id in self.copies:
-            self.free_slot(COLD, self.copies.pop(block_id))
+        if self.copies is not None and (slot := self.copies.pop(block_id)) is not None:
+            self.free_slot(COLD, slot)
         if entry.is_corrupt:  # its slot went back (or into quarantine) when it was marked
             return
         if transfer is not None:
@@ -281,8 +281,8 @@ class StoreState:
         transfer = self.in_flight.pop(block_id, None)
         if transfer is not None:
             transfer.cancelled = True  # its copy may still read the slot: freed after it, or at unpin
-        if self.copies and block_id in self.copies:
-            self.free_slot(COLD, self.copies.pop(block_id))
+        if self.copies is not None and (slot := self.copies.pop(block_id)) is not None:
+            self.free_slot(COLD, slot)
         if self.is_pinned_by_step(block_id):
             self._quarantined.append((block_id, entry.tier, entry.slot))
         elif transfer is not None:

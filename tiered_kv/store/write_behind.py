@@ -21,13 +21,14 @@ from .batches import Transfer, TransferBatch
 from .copies import BACKUP
 
 
-def prepare_backups(transfers, block_ids: list[int], mode: str) -> TransferBatch:
-    """A batch copying each block (published, above cold, not in flight, without a copy) into a
-    free cold slot; blocks that no longer qualify, or find no room, are left out."""
+def prepare_backups(transfers, block_ids: list[int], mode: str) -> tuple[TransferBatch, int]:
+    """(a batch copying each block (published, above cold, not in flight, without a copy) into a
+    free cold slot, how many found no room: those wait for a later batch). Blocks that no longer
+    qualify are left out; ones a move has in flight wait too."""
     state = transfers.state
     batch = TransferBatch(mode)
     if transfers.closed or state.copies is None:
-        return batch
+        return batch, 0
     index, copies, in_flight, now = state.index, state.copies, state.in_flight, time.monotonic()
     wanted = []
     for block_id in block_ids:
@@ -41,22 +42,22 @@ def prepare_backups(transfers, block_ids: list[int], mode: str) -> TransferBatch
             continue
         wanted.append((block_id, entry))
     if not wanted:
-        return batch
+        return batch, 0
     pool = state.pools[COLD]
     # room from free slots and copies of colder blocks, never from the copies this batch is for
-    free = pool.num_free
-    if free < len(wanted):
-        wanted_ids = {b for b, _ in wanted}
-        spare = [b for b in copies.coldest(index, len(copies)) if b not in wanted_ids]
-        for block_id in spare[:len(wanted) - free]:
+    if pool.num_free < len(wanted):
+        for block_id in copies.coldest(index, len(wanted) - pool.num_free, skip={b for b, _ in wanted}):
             state.free_slot(COLD, copies.pop(block_id))
+    for block_id, _ in wanted[pool.num_free:]:  # cold is full of blocks of its own: later
+        copies.retry_later(block_id, now)
+    no_room = max(0, len(wanted) - pool.num_free)
     wanted = wanted[:pool.num_free]
     slots = pool.allocate(len(wanted)) or []
     for (block_id, entry), slot in zip(wanted, slots):
         t = Transfer(block_id, entry.tier, entry.slot, COLD, slot, batch, kind=BACKUP)
         in_flight[block_id] = t
         batch.transfers.append(t)
-    return batch
+    return batch, no_room
 
 
 def complete_backups(transfers, backups: list[Transfer], error, landed: dict, given_back: dict) -> None:
@@ -71,8 +72,12 @@ def complete_backups(transfers, backups: list[Transfer], error, landed: dict, gi
         still_there = entry is not None and entry.tier == t.src_tier and entry.slot == t.src_slot \
             and entry.key is not None and t.block_id not in copies
         if error is None and still_there and not t.cancelled and not t.corrupt and cold is not None:
+            try:
+                cold.persist(t.dst_slot, entry.key, entry.root)
+            except ValueError:  # the tier is closing (or the record is not whole): no copy after all
+                given_back.setdefault(COLD, []).append(t.dst_slot)
+                continue
             copies.add(t.block_id, t.dst_slot)
-            cold.persist(t.dst_slot, entry.key, entry.root)
             landed[(t.src_tier, COLD)] = landed.get((t.src_tier, COLD), 0) + 1
             continue
         given_back.setdefault(COLD, []).append(t.dst_slot)

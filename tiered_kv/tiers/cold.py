@@ -92,6 +92,9 @@ class ColdTier(DurableRecords):
         # durable: the slot has (or a queued persist will give it) an index row; generation: bumped
         # whenever that stops being true, so a queued persist of an older generation is dropped
         self._durable = np.zeros(num_slots, dtype=bool)
+        # forgotten, its header not zeroed yet (the writer thread does it, after the row's deletion,
+        # once no peer reads the record): a rewrite of the slot waits for peers' reads too
+        self._header_live = np.zeros(num_slots, dtype=bool)
         self._generation = np.zeros(num_slots, dtype=np.int64)
         self._state_lock = threading.Lock()
         self._write_warnings = Throttle(log)  # failed header writes / syncs / commits (a full disk repeats)
@@ -177,7 +180,7 @@ class ColdTier(DurableRecords):
         for i, slot in enumerate(slots):
             record = host[i]
             self.valid[slot] = False
-            with self._naming_the_file(), self._no_peer_reading(slot, slot in was_durable):
+            with self._naming_the_file(), self._no_peer_reading(slot, slot in was_durable or self._header_live[slot]):
                 self.io.write_gather([record, self._zero_tail], self._offset(slot))
             for layer in range(self.layout.num_layers):
                 self.checksums[slot, layer] = checksum(record[layer])
@@ -221,10 +224,13 @@ class ColdTier(DurableRecords):
                 record_unlock(self._fd, slot, self.record_stride_bytes)
 
     def forget(self, slots: list[int]) -> None:
-        """Slots were freed: their bytes are no longer a block, and no durable row names them."""
+        """Slots were freed: their bytes are no longer a block, and no durable row names them. Runs
+        under the store lock, so it never waits: the rows' deletion is queued, and the writer thread
+        zeroes the headers after it, once no peer reads those records."""
         self.valid[slots] = False
         with self._guard:
-            self._withdraw(slots, zero_header=True)
+            withdrawn = self._withdraw(slots, zero_header=False)
+        self._header_live[withdrawn] = True
 
     # ---- tokens of one layer ---------------------------------------------------------------
     def token_index(self, slots, offsets):
@@ -307,7 +313,8 @@ class ColdTier(DurableRecords):
                     positions, offsets = _positions_and_offsets(items)
                     buffer[:, :, offsets] = host[:, :, positions]
                     self.valid[slot, layer] = False
-                    with self._naming_the_file(), self._no_peer_reading(slot, slot in was_durable):
+                    with self._naming_the_file(), \
+                            self._no_peer_reading(slot, slot in was_durable or self._header_live[slot]):
                         self.io.write_from(buffer, self._offset(slot, layer))
                     self.checksums[slot, layer] = checksum(buffer)
                     self.valid[slot, layer] = True

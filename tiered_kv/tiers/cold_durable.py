@@ -97,7 +97,8 @@ class DurableRecords:
                 return slots
             self._durable[slots] = False
             self._generation[slots] += 1
-        self._writer.enqueue([_Op("delete", slot) for slot in slots])
+            ops = [_Op("delete", slot, int(self._generation[slot])) for slot in slots]
+        self._writer.enqueue(ops)
         if zero_header:  # best effort: the queued deletion is what counts, the read checks catch the rest
             failed, first = [], None
             for slot in slots:
@@ -122,6 +123,27 @@ class DurableRecords:
                 return False
             self.io.write_from(header, self._header_at(op.slot))
             return True
+
+    def _zero_headers_if_current(self, ops: list[_Op]) -> None:
+        """Writer thread, after the rows of `ops` (deletions) were committed: zero the headers of the
+        forgotten slots no write or persist took since, each once no peer reads its record."""
+        failed, first = [], None
+        for op in ops:
+            if not self._header_live[op.slot]:
+                continue
+            try:
+                with self._no_peer_reading(op.slot, True), self._state_lock:
+                    if self._generation[op.slot] == op.generation:
+                        self.io.write_from(self._zero_header, self._header_at(op.slot))
+                    self._header_live[op.slot] = False
+            except ColdWriteError as exc:
+                failed.append(op.slot)
+                first = first or exc
+        if failed:  # best effort: the deleted rows are what counts, the read checks catch the rest
+            self._write_warnings.warning(
+                "cold tier %s: cannot zero the record header of slot(s) %s (%s: %s); their index rows are "
+                "deleted anyway, so no later process reuses them", self.file_path, _some(failed),
+                error_name(first), first.strerror or first)
 
     def _sync_data(self) -> None:
         self.io.sync()
@@ -271,3 +293,4 @@ class DurableWriter:
         except (sqlite3.Error, OSError) as exc:
             tier._persist_failed([op.slot for op in written], exc, f"committing to the index {tier.index.path}")
             self._note(exc)  # reported here, once; the next flush raises it
+        tier._zero_headers_if_current([op for op in final.values() if op.kind == "delete"])

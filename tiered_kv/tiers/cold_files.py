@@ -34,6 +34,7 @@ DIRECTORY_MODE = 0o700
 FILE_MODE = 0o600
 _NO_FOLLOW = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 _LOCK_ATTEMPTS = 3
+_CLAIM_ATTEMPTS = 4  # exclusive flock tries on a block file before it counts as held (~20 ms)
 LOCK_WAIT_S = 10.0  # a store waits this long for the directory's lock (gc, or an older tiered_kv, holding it)
 _CAPACITY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -168,15 +169,10 @@ class ColdDirectory:
         for number in range(max_files):
             name = name_of(number)
             file = self.open_file(name)
-            try:
-                fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
+            if not self._flock_briefly(file.fd, name) or not self._is_live(name, file.fd):
+                # a live store writes this one, or a start that failed removed the name meanwhile
                 os.close(file.fd)
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    continue  # a live store writes this one
-                raise self._path_error(f"where {name!r} cannot be locked ({exc.strerror})") from None
-            if not self._is_live(name, file.fd):  # removed by a start that failed: take the next name
-                os.close(file.fd)
+                self._created_files.pop(name, None)  # (if we made it, it is another store's now)
                 continue
             try:
                 _preallocate(file, size_bytes)
@@ -255,23 +251,53 @@ class ColdDirectory:
             raise
         return file
 
+    def _flock_briefly(self, fd: int, name: str) -> bool:
+        """An exclusive flock on `fd`: True when had. A probe (tiered-kv inspect) holds a shared one
+        for microseconds, so a refusal is retried a few times before the file counts as held."""
+        for attempt in range(_CLAIM_ATTEMPTS):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise self._path_error(f"where {name!r} cannot be locked ({exc.strerror})") from None
+                time.sleep(0.002 * (attempt + 1))
+        return False
+
     def discard(self, file: OwnedFile) -> None:
-        """Undo opening `file` in a failed start: close it, then remove it if this start made it,
-        else cut it back to the size it had (only growth we made is undone)."""
+        """Undo opening `file` in a failed start: remove it if this start made it (while we still
+        hold its flock, so no other store can have claimed it meanwhile), else cut it back to the
+        size it had (only growth we made is undone); then close it."""
         try:
-            if not file.created and os.fstat(file.fd).st_size != file.original_size_bytes:
+            if file.created:
+                self._remove_created(file.name, held_fd=file.fd)
+            elif os.fstat(file.fd).st_size != file.original_size_bytes:
                 os.ftruncate(file.fd, file.original_size_bytes)
         finally:
             os.close(file.fd)
-        if file.created:
-            self._remove_created(file.name)
 
-    def _remove_created(self, name: str) -> None:
+    def _remove_created(self, name: str, held_fd: int | None = None) -> None:
+        """Unlink `name` if this start made it and it still names that file, and no other process
+        holds it (its flock; `held_fd`: ours already holds it): a file another store claimed, or
+        the lock file stores hold, stays."""
         identity = self._created_files.pop(name, None)
-        if identity is None or self.fd is None:
+        if identity is None or self.fd is None or not self._is_live(name, identity):
             return
-        if self._is_live(name, identity):
+        if held_fd is not None:
             os.unlink(name, dir_fd=self.fd)
+            return
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if self._is_live(name, identity):
+                os.unlink(name, dir_fd=self.fd)
+        except OSError:
+            pass  # held by another process: it is theirs now
+        finally:
+            os.close(fd)
 
     def _is_live(self, name: str, fd_or_identity) -> bool:
         """Whether `name` still names the file behind an fd (or a (st_dev, st_ino) pair)."""
@@ -299,8 +325,12 @@ class ColdDirectory:
         first, then directories innermost first, each only while empty), then close. Files other
         tiers still hold open stay readable through their fds until those close."""
         if self.fd is not None:
-            for name in sorted(self._created_files, key=lambda n: n == LOCK_NAME):  # the lock last
+            for name in [n for n in self._created_files if n != LOCK_NAME]:
                 self._remove_created(name)
+            if self._lock is not None:  # our shared flock first, or the exclusive test below fails on it
+                os.close(self._lock.fd)
+                self._lock = None
+            self._remove_created(LOCK_NAME)  # only while no other store holds it
         self.close()
         for directory in reversed(self.created_directories):
             try:

@@ -26,6 +26,7 @@ import struct
 import sys
 import threading
 import time
+import urllib.parse
 
 import numpy as np
 
@@ -113,15 +114,19 @@ class PeerFiles:
 
     def numbers(self) -> list[int]:
         """The peers' file numbers seen at the last fetch."""
-        return sorted(self._peers)
+        with self._lock:
+            return sorted(self._peers)
 
     def _refresh(self) -> None:
         """Open the peers that appeared (a block file with an index), drop those that vanished."""
         directory = self._directory
-        if directory.fd is None:
+        try:
+            names = os.listdir(directory.fd) if directory.fd is not None else None
+        except OSError:  # the store is closing: its directory fd went
+            names = None
+        if names is None:
             return
         present = set()
-        names = os.listdir(directory.fd)
         for name in names:
             parsed = fmt.file_number(name)
             if parsed is None or parsed[0] != self._signature or parsed[2] != "blocks" or parsed[1] == self._own:
@@ -163,9 +168,10 @@ class _Peer:
         try:
             index_name = fmt.index_file_name(layout, number)
             os.close(directory.open_read_only(index_name))  # a regular file of ours alone, not a link
-            self.db = sqlite3.connect(directory.file_path(index_name), check_same_thread=False, timeout=1.0)
+            # read-only: no checkpoint into the peer's database, no second writer of its index
+            uri = f"file:{urllib.parse.quote(directory.file_path(index_name))}?mode=ro"
+            self.db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=1.0)
             try:
-                self.db.execute("PRAGMA query_only=1")
                 meta = dict(self.db.execute("SELECT name, value FROM meta").fetchall())
                 expected = {"format_version": str(fmt.FORMAT_VERSION), "layout": layout_text}
                 if meta != expected:
