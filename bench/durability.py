@@ -107,10 +107,12 @@ def write_behind_round(model, args, write_behind_s: float, seed: int) -> dict:
                 token = model(token, cache=bank).logits[:, -1:].argmax(-1)
             decode_s = time.perf_counter() - start
         copies = store.stats()["durability"]["copies_written"]
+        store.flush()  # what write-behind still owed (none when it is off)
+        after_flush = store.stats()["durability"]["copies_written"]
         bank.close()
         store.close()
         return {"write_behind_s": write_behind_s, "tokens_per_s": args.decode_tokens / decode_s,
-                "copies_during_decode": copies}
+                "copies_during_decode": copies, "copies_after_flush": after_flush}
 
 
 def run_write_behind(model, args) -> dict:

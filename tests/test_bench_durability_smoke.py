@@ -22,6 +22,6 @@ def test_durability_bench_smallest_size(tmp_path):
     assert result["ratio_fsync_true_over_false"] > 0
     write_behind = result["write_behind"]
     assert {row["setting"] for row in write_behind["rows"]} == {"on", "off", "off_again"}
-    assert all(row["copies_during_decode"] > 0 for row in write_behind["rows"] if row["setting"] == "on")
-    assert all(row["copies_during_decode"] == 0 for row in write_behind["rows"] if row["setting"] != "on")
+    assert all(row["copies_after_flush"] > 0 for row in write_behind["rows"] if row["setting"] == "on")
+    assert all(row["copies_after_flush"] == 0 for row in write_behind["rows"] if row["setting"] != "on")
     assert write_behind["ratio_on_over_off"] > 0 and write_behind["ratio_aa_off_again_over_off"] > 0

@@ -2,17 +2,18 @@
 
 A thin façade over components that own their state (docs/design.md):
   state.py       the block index, the tiers and their slot pools, pins, blocks in flight, deferred frees
-  transfers.py   the one path by which bytes move between tiers (prepare / launch / complete)
+  transfers.py   the one path by which bytes move between tiers (prepare / launch / complete); failures.py
   demand.py      moves a caller needs now, in rounds around the copies
   allocation.py  new blocks placed as high as room allows; copy-on-write copies
   opening.py     a step's lease: room, copy-on-write, promotion, pins, token runs, at once
   leases.py      what a forward pass holds while it reads and writes its blocks without the lock
   placement.py   promote, prefetch, demote, undo, verify: moves a caller asks for by name
-  remote_io.py   remote fetch (write-in) and the remote writer's reads (read-out)
+  remote_io.py   fetches from other processes' cold files and the remote tier (write-in), remote writes
   mover.py       the background thread: prefetch, watermark and idle demotion, compaction
   compaction.py  where hot blocks lie and how to make a chat contiguous again
-  durability.py  durable records in at start, published blocks out to cold at close
-  reporting.py   stats() and the cheap counters, from the store's Metrics
+  durability.py  durable records in at start, published blocks out to cold at close, flush; the durable
+                 copies of blocks above cold (durable_copies.py) and their backups (write_behind.py)
+  reporting.py   stats() and the cheap counters (consistency.py: the self-check)
 
 Concurrency (DESIGN.md, invariants 4, 7, 8): one lock per store (`lock`, which only the store's
 components take: no bank, hook or tool does), held to plan, reserve, commit and pin, never while
