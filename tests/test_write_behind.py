@@ -467,3 +467,33 @@ def test_a_failed_start_never_removes_a_block_file_another_store_claimed(tmp_pat
         assert not os.path.exists(tmp_path / "cold" / fmt.block_file_name(layout, 1))
     finally:
         os.close(theirs)
+
+
+def test_a_store_that_cannot_get_the_directory_lock_in_time_runs_read_only_on_cold(model, conversations, tmp_path,
+                                                                                  monkeypatch, caplog):
+    """gc holds the directory exclusively past the (bounded) wait: the store says so, writes
+    nothing there, and still reattaches what the directory holds, token-identically."""
+    from tiered_kv.tiers import cold_files
+    config = shared_config(tmp_path / "cold", "all_hot")
+    first = tiered_kv.TierStore(config)
+    bank = tiered_kv.CacheBank(model, store=first)
+    _chat(model, bank, conversations[0])
+    bank.close()
+    first.close()  # its records are durable in block file 0
+    monkeypatch.setattr(cold_files, "LOCK_WAIT_S", 0.2)
+    gc = cold_files.ColdDirectory(str(tmp_path / "cold"), shared=False)
+    try:
+        with gc.exclusive_lock():
+            before = sorted(os.listdir(tmp_path / "cold"))
+            with caplog.at_level("WARNING", logger="tiered_kv"):
+                store = tiered_kv.TierStore(config)
+            assert "read-only on cold" in caplog.text and store.cold_unavailable
+            try:
+                reused, _ = check_reattach(model, store, conversations[0])
+                assert reused == _full_blocks(conversations[0].history)
+                assert store.stats()["tiers"]["cold"]["capacity_blocks"] == 0
+            finally:
+                store.close()
+            assert sorted(os.listdir(tmp_path / "cold")) == before  # made nothing there
+    finally:
+        gc.close()

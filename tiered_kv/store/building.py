@@ -18,6 +18,7 @@ from ..metrics.registry import BACKGROUND, ON_DEMAND
 from ..pool import SlotPool
 from ..scheduler.mem_scheduler import Watermarks
 from ..tiers import ColdTier, HotTier
+from ..tiers.cold_files import ColdDirectory, open_cold_directory
 from ..tiers.cold_peers import PeerFiles
 from ..tiers.warm import warm_tier
 from .copies import Staging
@@ -36,11 +37,24 @@ def capacities_of(config, layout: KVLayout, has_cold: bool) -> list[int]:
             config.cold.resolve_blocks(layout.block_bytes) if has_cold else 0]
 
 
-def build_tiers(config, layout: KVLayout, dtype: torch.dtype, device, pinned: bool, cold_directory, made: list):
+def open_cold(path: str) -> tuple[ColdDirectory, str | None]:
+    """(the cold directory, why this store may not write it or None). When gc, or a store of an
+    older tiered_kv, holds it exclusively past the wait, the store runs read-only on cold: the
+    directory is opened without its lock, to read the other stores' durable records only."""
+    try:
+        return open_cold_directory(path), None
+    except ColdPathInUseError as error:
+        log.warning("%s; this store runs read-only on cold (hot and warm of its own; it reads the durable "
+                    "records there, writes none)", error)
+        return ColdDirectory(path, shared=False), str(error)
+
+
+def build_tiers(config, layout: KVLayout, dtype: torch.dtype, device, pinned: bool, cold_directory, made: list,
+                may_write_cold: bool = True):
     """(tiers, pools, why cold is unavailable or None) for `layout`; each tier is appended to `made`
     as soon as it exists. A store that cannot claim a block file of its own on the cold directory
-    runs without a cold tier, reading the other stores' records there (read-only)."""
-    capacities = capacities_of(config, layout, cold_directory is not None)
+    (or may not write there) runs without a cold tier, reading the other stores' records there."""
+    capacities = capacities_of(config, layout, cold_directory is not None and may_write_cold)
     made.append(HotTier(layout, capacities[HOT], device, dtype))
     made.append(warm_tier(layout, capacities[WARM], dtype, pinned, config.warm.layout, device))
     cold, unavailable = None, None

@@ -34,7 +34,7 @@ import torch
 
 from ..blocks import COLD, TIER_NAMES, KVLayout
 from ..config import Config, load_config
-from ..errors import BankClosedError, ColdPathInUseError, LayoutError
+from ..errors import BankClosedError, LayoutError
 from ..hw.copy_engine import make_copy_engine
 from ..hw.devices import resolve_device, resolve_pinned
 from ..hw.link_monitor import make_link_monitor
@@ -45,7 +45,7 @@ from ..remote import RemoteTier
 from ..scheduler import MemScheduler
 from ..scheduler.access_log import AccessLog
 from ..scheduler.mem_scheduler import Watermarks
-from ..tiers.cold_files import ColdDirectory, open_cold_directory
+from ..tiers.cold_files import ColdDirectory
 from . import building, durability
 from .building import STAGING_BYTES
 from .allocation import PIN_WAIT_S, Allocation
@@ -122,11 +122,7 @@ class TierStore:
             self.copy_engine = make_copy_engine(self.device, self.config.copies.engine, self.config.copies.delay_us)
             if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
                 # fail at start, not at the first spill, when the cold directory is unusable
-                try:
-                    self._cold_directory = open_cold_directory(self.config.cold.path)
-                except ColdPathInUseError as error:  # gc, or an older tiered_kv's store, holds it
-                    self.cold_unavailable = str(error)
-                    log.warning("%s; this store runs without a cold tier (hot and warm only)", error)
+                self._cold_directory, self.cold_unavailable = building.open_cold(self.config.cold.path)
             if self.config.remote.enabled:  # a wrong password (or, when required, a server down) fails the start
                 self.remote = RemoteTier(self.config.remote, self.metrics)
         except BaseException:
@@ -198,7 +194,7 @@ class TierStore:
     def _bind(self, layout: KVLayout, dtype: torch.dtype) -> None:
         made = self.state.tiers  # what building made, closed by _release_resources if it fails partway
         tiers, pools, unavailable = building.build_tiers(self.config, layout, dtype, self.device, self.pinned,
-                                                         self._cold_directory, made)
+                                                         self._cold_directory, made, self.cold_unavailable is None)
         self.cold_unavailable = self.cold_unavailable or unavailable
         self.peers = building.peers_of(self._cold_directory, layout, tiers[COLD])
         staging = building.build_staging(layout, dtype, self.device, self.pinned, [p.num_slots for p in pools])

@@ -51,9 +51,10 @@ class OwnedFile:
     original_size_bytes: int
 
 
-def open_cold_directory(path: str, lock_wait_s: float = LOCK_WAIT_S) -> "ColdDirectory":
-    """The store's cold directory, created, checked and locked (shared); ConfigError otherwise."""
-    return ColdDirectory(path, lock_wait_s=lock_wait_s)
+def open_cold_directory(path: str, lock_wait_s: float | None = None) -> "ColdDirectory":
+    """The store's cold directory, created, checked and locked (shared; waited for up to
+    `lock_wait_s`, by default LOCK_WAIT_S); ConfigError otherwise."""
+    return ColdDirectory(path, lock_wait_s=LOCK_WAIT_S if lock_wait_s is None else lock_wait_s)
 
 
 class ColdDirectory:

@@ -132,12 +132,16 @@ class PeerFiles:
             if parsed is None or parsed[0] != self._signature or parsed[2] != "blocks" or parsed[1] == self._own:
                 continue
             number = parsed[1]
-            if fmt.index_file_name(self.layout, number) not in names:
+            index_name = fmt.index_file_name(self.layout, number)
+            if index_name not in names:
                 continue  # nothing persisted there yet
             present.add(number)
+            live = index_name + "-wal" in names  # a store writes it (or crashed while it did)
+            if number in self._peers and self._peers[number].immutable and live:
+                self._drop(number)  # opened while nobody wrote it: read it as a live one now
             if number not in self._peers and number not in self._refused:
                 try:
-                    self._peers[number] = _Peer(directory, self.layout, number, self._layout_text)
+                    self._peers[number] = _Peer(directory, self.layout, number, self._layout_text, live)
                 except (ConfigError, fmt.FormatError, sqlite3.Error, OSError) as exc:
                     self._refused.add(number)
                     log.warning("cold directory %s: the peer block file %s is not read (%s)", directory.path,
@@ -159,7 +163,7 @@ class PeerFiles:
 class _Peer:
     """One peer's block file (read-only fd) and index (a sqlite reader that never writes)."""
 
-    def __init__(self, directory, layout: KVLayout, number: int, layout_text: str):
+    def __init__(self, directory, layout: KVLayout, number: int, layout_text: str, live: bool):
         self.layout = layout
         self.name = fmt.block_file_name(layout, number)
         self.stride_bytes = fmt.record_stride_bytes(layout)
@@ -168,8 +172,11 @@ class _Peer:
         try:
             index_name = fmt.index_file_name(layout, number)
             os.close(directory.open_read_only(index_name))  # a regular file of ours alone, not a link
-            # read-only: no checkpoint into the peer's database, no second writer of its index
-            uri = f"file:{urllib.parse.quote(directory.file_path(index_name))}?mode=ro"
+            # read-only: no checkpoint into the peer's database, no second writer of its index; one
+            # nobody writes (no -wal) is read immutable, which creates no -wal or -shm beside it
+            self.immutable = not live
+            uri = f"file:{urllib.parse.quote(directory.file_path(index_name))}?mode=ro" + \
+                ("&immutable=1" if self.immutable else "")
             self.db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=1.0)
             try:
                 meta = dict(self.db.execute("SELECT name, value FROM meta").fetchall())
