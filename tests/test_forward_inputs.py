@@ -60,7 +60,8 @@ def positions(rows):
 
 
 def test_rows_ok_keeps_the_rule_for_every_shape():
-    bank = tiered_kv.CacheBank(tiny_model("llama"), {"hot": {"device": "cpu", "capacity_blocks": 8}})
+    bank = tiered_kv.CacheBank(tiny_model("llama"), {"hot": {"device": "cpu", "capacity_blocks": 8},
+                                                      "cold": {"capacity": 0}})  # (nothing under ~/.cache)
     bank._seq_len = SEQ_LEN  # (what the rule compares positions with)
     checked = 0
     for rows in (1, 2, 3):
