@@ -85,16 +85,16 @@ class DurableCopies:
         self._waiting_for_reuse.discard(block_id)
         return self.slot_of.pop(block_id, None)
 
-    def coldest(self, index, count: int, skip=frozenset()) -> list[int]:
-        """Up to `count` blocks whose copies go first when cold needs room (not those in `skip`): warm
-        before hot, least recently used first."""
+    def coldest(self, index, count: int) -> list[int]:
+        """Up to `count` blocks whose copies go first when cold needs room: warm before hot, least
+        recently used first."""
         out = []
         if count <= 0:
             return out
         for tier in (WARM, HOT):
             for block_id in index.recency(tier):
-                if block_id in self.slot_of and block_id not in skip:
+                if block_id in self.slot_of:
                     out.append(block_id)
                     if len(out) == count:
                         return out
-        return out + [b for b in self.slot_of if b not in index and b not in skip][:count - len(out)]
+        return out + [b for b in self.slot_of if b not in index][:count - len(out)]

@@ -44,14 +44,11 @@ def prepare_backups(transfers, block_ids: list[int], mode: str) -> tuple[Transfe
     if not wanted:
         return batch, 0
     pool = state.pools[COLD]
-    # room from free slots and copies of colder blocks, never from the copies this batch is for
-    if pool.num_free < len(wanted):
-        for block_id in copies.coldest(index, len(wanted) - pool.num_free, skip={b for b, _ in wanted}):
-            state.free_slot(COLD, copies.pop(block_id))
-    for block_id, _ in wanted[pool.num_free:]:  # cold is full of blocks of its own: later
+    free = state.cold_room(len(wanted))  # (the blocks wanted have no copy: none of theirs is dropped)
+    for block_id, _ in wanted[free:]:  # cold is full of blocks of its own: later
         copies.retry_later(block_id, now)
-    no_room = max(0, len(wanted) - pool.num_free)
-    wanted = wanted[:pool.num_free]
+    no_room = max(0, len(wanted) - free)
+    wanted = wanted[:free]
     slots = pool.allocate(len(wanted)) or []
     for (block_id, entry), slot in zip(wanted, slots):
         t = Transfer(block_id, entry.tier, entry.slot, COLD, slot, batch, kind=BACKUP)

@@ -163,3 +163,23 @@ def unpack_header(layout: KVLayout, slot: int, page: np.ndarray) -> RecordHeader
         raise FormatError(f"header names slot {on_slot}")
     checksums = tuple(_U64.unpack_from(raw, _PREFIX.size + i * _U64.size)[0] for i in range(num_layers))
     return RecordHeader(slot, key, root, checksums)
+
+
+def record_problem(layout: KVLayout, slot: int, data: bytes, key: bytes, root: bytes,
+                   checksums: tuple[int, ...]) -> str | None:
+    """Why `data` (the whole record read from slot `slot`, stride bytes) is not the record an index row
+    names with `key`, `root` and `checksums`, or None when it is, intact."""
+    stride = record_stride_bytes(layout)
+    if len(data) < stride:
+        return f"short record ({len(data)} of {stride} bytes: the file was cut)"
+    page = np.frombuffer(data, dtype=np.uint8)
+    try:
+        header = unpack_header(layout, slot, page[header_offset_bytes(layout):stride])
+    except FormatError as exc:
+        return f"bad header: {exc}"
+    if (header.key, header.root, header.checksums) != (key, root, tuple(checksums)):
+        return "its header names another record"
+    for layer in range(layout.num_layers):
+        if checksum(page[layer * layout.layer_bytes:(layer + 1) * layout.layer_bytes]) != checksums[layer]:
+            return f"layer {layer} failed its checksum (XXH3-64)"
+    return None

@@ -167,7 +167,6 @@ class _Peer:
         self.layout = layout
         self.name = fmt.block_file_name(layout, number)
         self.stride_bytes = fmt.record_stride_bytes(layout)
-        self._header_at = fmt.header_offset_bytes(layout)
         self.fd = directory.open_read_only(self.name)
         try:
             index_name = fmt.index_file_name(layout, number)
@@ -210,18 +209,8 @@ class _Peer:
         finally:
             if locked:
                 record_unlock(self.fd, slot, self.stride_bytes)
-        if len(data) < self.stride_bytes:
+        if fmt.record_problem(layout, slot, data, key, root, checksums) is not None:
             return None
-        page = np.frombuffer(data, dtype=np.uint8)
-        try:
-            header = fmt.unpack_header(layout, slot, page[self._header_at:])
-        except fmt.FormatError:
-            return None
-        if (header.key, header.root, header.checksums) != (key, root, checksums):
-            return None
-        for layer in range(layout.num_layers):
-            if fmt.checksum(page[layer * layout.layer_bytes:(layer + 1) * layout.layer_bytes]) != checksums[layer]:
-                return None
         return data[:layout.block_bytes]
 
     def close(self) -> None:

@@ -254,17 +254,5 @@ def _read_index(dir_fd, path, name, running, names):
 def check_record(fd: int, layout: KVLayout, record: Record) -> str | None:
     """Why the record at `record.slot` is not the one its index row names, or None when it is intact."""
     stride = fmt.record_stride_bytes(layout)
-    data = os.pread(fd, stride, record.slot * stride)
-    if len(data) < stride:
-        return f"short record ({len(data)} of {stride} bytes: the file was cut)"
-    page = np.frombuffer(data, dtype=np.uint8)
-    try:
-        header = fmt.unpack_header(layout, record.slot, page[fmt.header_offset_bytes(layout):])
-    except fmt.FormatError as exc:
-        return f"bad header: {exc}"
-    if (header.key, header.root, header.checksums) != (record.key, record.root, record.checksums):
-        return "its header names another record"
-    for layer in range(layout.num_layers):
-        if fmt.checksum(page[layer * layout.layer_bytes:(layer + 1) * layout.layer_bytes]) != record.checksums[layer]:
-            return f"layer {layer} failed its checksum (XXH3-64)"
-    return None
+    return fmt.record_problem(layout, record.slot, os.pread(fd, stride, record.slot * stride), record.key,
+                              record.root, record.checksums)
