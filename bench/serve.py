@@ -24,7 +24,6 @@ import json
 import math
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TOPICS = ("the sea", "mountains", "cities", "music", "gardens", "trains", "the moon", "bread", "rivers", "libraries",
           "clocks", "bridges", "forests", "deserts", "islands", "winter")
 MODEL = "SmolLM2-135M-Instruct"
+RULES = ("Answer in plain English and keep each answer short.", "Be kind, calm and precise.",
+         "If a question is unclear, say what you assume before you answer.", "Never invent facts or sources.",
+         "Prefer concrete examples over general statements.", "Do not repeat what the user already said.",
+         "When you list things, give at most three.", "Say so when you do not know something.")
+
+
+def system_prompt(words: int) -> str:
+    """A deployment's fixed instructions, `words` long (0: none), the same for every user."""
+    out, i = [], 0
+    while sum(len(r.split()) for r in out) < words:
+        out.append(f"Rule {i + 1}: {RULES[i % len(RULES)]}")
+        i += 1
+    return " ".join(out)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,8 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per reply")
+    parser.add_argument("--system-words", type=int, default=200,
+                        help="a system prompt of about this many words, the same for every user (0: none)")
     parser.add_argument("--think-s", type=float, default=2.0, help="a user's think time: uniform 0..this")
-    parser.add_argument("--workers", type=int, default=2, help="the server's generation threads")
+    parser.add_argument("--max-active", type=int, default=16, help="requests the server generates at once")
     parser.add_argument("--overhead-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="overhead rounds (medians)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -57,28 +71,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def config(cold_dir: str) -> dict:
     return {"block_size": 16, "hot": {"device": "cpu", "capacity": "256MiB"}, "warm": {"capacity": "256MiB"},
             "cold": {"capacity": "1GiB", "path": cold_dir}}
-
-
-class Server:
-    def __init__(self, engine):
-        import uvicorn
-
-        from tiered_kv.serve.app import make_app
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.engine = engine
-        self.server = uvicorn.Server(uvicorn.Config(make_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.base_url = f"http://127.0.0.1:{port}/v1"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-        self.engine.close()
 
 
 def stream_turn(client, messages, new_tokens: int) -> dict:
@@ -104,16 +96,18 @@ def stream_turn(client, messages, new_tokens: int) -> dict:
 def run_users(model, tokenizer, args, reuse: bool) -> dict:
     import openai
 
+    from tiered_kv.serve.background import BackgroundServer
     from tiered_kv.serve.engine import ChatEngine
     with tempfile.TemporaryDirectory(prefix="tiered_kv-serve-") as cold_dir:
-        server = Server(ChatEngine(model, tokenizer, config(cold_dir), MODEL, workers=args.workers, reuse=reuse,
-                                   max_queue=4 * args.users))
+        server = BackgroundServer(ChatEngine(model, tokenizer, config(cold_dir), MODEL, max_active=args.max_active,
+                                             reuse=reuse, max_queue=4 * args.users))
         records, failures, conversations = [], [], {}
         try:
             def user(u: int) -> None:
                 rng = random.Random(u)
                 client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=600)
-                messages = []
+                system = system_prompt(args.system_words)
+                messages = [{"role": "system", "content": system}] if system else []
                 for turn in range(args.turns):
                     messages.append({"role": "user", "content": f"Tell me one more thing about {TOPICS[u % 16]} "
                                                                 f"(part {turn + 1})."})
@@ -160,6 +154,8 @@ def local_replies(model, tokenizer, conversation: list[dict], new_tokens: int, s
         if message["role"] == "assistant":
             continue
         messages.append(message)
+        if message["role"] != "user":
+            continue
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
         bank = tiered_kv.CacheBank(model, store=store)
@@ -180,6 +176,7 @@ def run_overhead(model, tokenizer, args) -> dict:
     import torch
 
     import tiered_kv
+    from tiered_kv.serve.background import BackgroundServer
     from tiered_kv.serve.engine import ChatEngine
     messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -189,8 +186,9 @@ def run_overhead(model, tokenizer, args) -> dict:
         for round_index in range(args.rounds):
             for mode in (("server", "local") if round_index % 2 == 0 else ("local", "server")):
                 if mode == "server":
-                    server = Server(ChatEngine(model, tokenizer, config(os.path.join(cold_dir, f"s{round_index}")),
-                                               MODEL, workers=1, reuse=False))
+                    server = BackgroundServer(ChatEngine(model, tokenizer,
+                                                         config(os.path.join(cold_dir, f"s{round_index}")), MODEL,
+                                                         reuse=False))
                     try:
                         client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=600)
                         record = stream_turn(client, messages, args.overhead_tokens)

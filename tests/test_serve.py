@@ -13,11 +13,10 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
 import tiered_kv
 from tiered_kv.models import load_model
-from tiered_kv.serve.app import make_app
+from tiered_kv.serve.background import BackgroundServer
 from tiered_kv.serve.engine import ChatEngine
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -29,31 +28,11 @@ def server_config(cold_dir) -> dict:
             "cold": {"capacity": "64MiB", "path": str(cold_dir)}}
 
 
-class Server:
-    """A real uvicorn server on a free localhost port, in a thread."""
-
-    def __init__(self, engine: ChatEngine, api_key: str | None = None):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.engine = engine
-        self.server = uvicorn.Server(uvicorn.Config(make_app(engine, api_key), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
+class Server(BackgroundServer):
+    """The real uvicorn server on a free localhost port, in a thread, with the openai client."""
 
     def client(self, api_key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.engine.close()
+        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +44,7 @@ def smollm2():
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
     model, tokenizer = smollm2
-    running = Server(ChatEngine(model, tokenizer, server_config(tmp_path_factory.mktemp("cold")), MODEL, workers=2))
+    running = Server(ChatEngine(model, tokenizer, server_config(tmp_path_factory.mktemp("cold")), MODEL))
     yield running
     running.stop()
 
@@ -88,8 +67,8 @@ def local_reply(smollm2, messages: list[dict], store) -> str:
 
 
 def ask(client, messages, **kwargs):
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
-                                          **kwargs)
+    kwargs = {"max_tokens": NEW_TOKENS, "temperature": 0, **kwargs}
+    return client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
 
 
 def test_a_multi_turn_chat_equals_a_local_run_and_later_turns_reuse_the_history(server, smollm2, tmp_path):
@@ -159,6 +138,95 @@ def test_a_client_that_goes_away_mid_stream_stops_its_generation(server):
     assert engine.store.state.leases == {} and engine.store.check_consistency() == []
 
 
+def test_a_client_that_goes_away_while_it_waits_for_a_whole_reply_stops_its_generation(server):
+    engine = server.engine
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", timeout=1.5,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
+                         "max_tokens": 400, "temperature": 0})
+    deadline = time.monotonic() + 30
+    while engine.active:
+        assert time.monotonic() < deadline, "the generation went on after its client left"
+        time.sleep(0.05)
+    assert engine.store.state.leases == {} and engine.store.check_consistency() == []
+
+
+def test_a_short_request_is_answered_while_a_long_reply_is_still_generated(server):
+    """Requests are interleaved a forward pass at a time: a new one does not wait for others to finish."""
+    long_tokens, long_done, leave = [], threading.Event(), threading.Event()
+
+    def long_reply():
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
+                                "max_tokens": 300, "temperature": 0, "stream": True}) as raw:
+            for line in raw.iter_lines():
+                long_tokens.append(line)
+                if leave.is_set():
+                    return
+        long_done.set()
+
+    thread = threading.Thread(target=long_reply)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(long_tokens) < 3:
+            assert time.monotonic() < deadline and thread.is_alive(), "the long reply never started"
+            time.sleep(0.02)
+        short = ask(server.client(), [{"role": "user", "content": "Hi!"}], max_tokens=2)
+        assert short.usage.completion_tokens >= 1
+        assert not long_done.is_set(), "the short request waited for the long reply to end"
+    finally:
+        leave.set()
+        thread.join(timeout=120)
+
+
+def test_stop_strings_end_the_reply_before_them(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Describe a forest in one sentence."}]
+    whole = ask(client, messages).choices[0].message.content
+    stop = whole[len(whole) // 2:len(whole) // 2 + 3]
+    assert len(stop) == 3
+    stopped = ask(client, messages, stop=[stop])
+    assert stopped.choices[0].message.content == whole[:whole.find(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats_and_concurrent_requests_do_not_share_a_generator(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Invent a name for a cat."}]
+    alone = ask(client, messages, temperature=1.0, seed=7).choices[0].message.content
+    assert ask(client, messages, temperature=1.0, seed=7).choices[0].message.content == alone
+    results = [None] * 4
+
+    def one(i):  # two with seed 7 amid two others drawing at the same time
+        results[i] = ask(client, messages, temperature=1.0, seed=7 if i % 2 == 0 else 100 + i).choices[0].message.content
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results[0] == results[2] == alone
+
+
+def test_a_tiny_top_p_keeps_only_the_most_likely_token(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Name a colour."}]
+    greedy = ask(client, messages).choices[0].message.content
+    assert ask(client, messages, temperature=1.5, top_p=1e-6, seed=3).choices[0].message.content == greedy
+
+
+def test_pick_token():
+    from tiered_kv.serve.decoding import pick_token
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
+    assert pick_token(logits, 0.0, 1.0, None) == 1
+    draws = {pick_token(logits, 1.0, 1.0, torch.Generator().manual_seed(s)) for s in range(64)}
+    assert draws >= {1, 2} and draws <= {0, 1, 2, 3}
+    assert {pick_token(logits, 5.0, 0.3, torch.Generator().manual_seed(s)) for s in range(64)} == {1}
+    first = [pick_token(logits, 1.0, 0.9, torch.Generator().manual_seed(11)) for _ in range(3)]
+    assert len(set(first)) == 1
+
+
 def _blocks(store) -> dict | None:
     """Which blocks the store holds, what each is, and who references it (not where: the mover
     may move blocks between tiers at any time)."""
@@ -213,7 +281,7 @@ def test_models_health_and_metrics(server):
 
 def test_a_full_queue_answers_429_with_retry_after(smollm2, tmp_path):
     model, tokenizer = smollm2
-    busy = Server(ChatEngine(model, tokenizer, server_config(tmp_path / "cold"), MODEL, workers=1, max_queue=1))
+    busy = Server(ChatEngine(model, tokenizer, server_config(tmp_path / "cold"), MODEL, max_active=1, max_queue=1))
     statuses, retry_after = [], []
 
     def one():
@@ -241,7 +309,7 @@ def test_an_api_key_is_required_when_configured(smollm2, tmp_path, monkeypatch):
     from tiered_kv.serve import api_key_from_env
     model, tokenizer = smollm2
     monkeypatch.setenv("TKV_TEST_KEY", "s3cret")
-    keyed = Server(ChatEngine(model, tokenizer, server_config(tmp_path / "cold"), MODEL, workers=1),
+    keyed = Server(ChatEngine(model, tokenizer, server_config(tmp_path / "cold"), MODEL),
                    api_key=api_key_from_env("TKV_TEST_KEY"))
     try:
         with pytest.raises(openai.AuthenticationError):

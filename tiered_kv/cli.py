@@ -164,9 +164,10 @@ def _add_serve_command(commands) -> None:
     serve.add_argument("--api-key-env", default=None, metavar="NAME",
                        help="the NAME of an environment variable holding the API key clients must send "
                             "(Authorization: Bearer ...); default: no key")
-    serve.add_argument("--workers", type=_positive_int, default=2, help="generation threads (default: %(default)s)")
+    serve.add_argument("--max-active", type=_positive_int, default=16,
+                       help="requests generated at once, a token each in turn (default: %(default)s)")
     serve.add_argument("--max-queue", type=_positive_int, default=64,
-                       help="requests that may wait for a worker before the server answers 429 (default: %(default)s)")
+                       help="requests that may wait for a place before the server answers 429 (default: %(default)s)")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar while loading the model")
     _add_verbosity(serve)
 
@@ -191,7 +192,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     model, tokenizer = load_model(args.model, progress=not args.no_progress and not args.quiet)
     run_server(model, tokenizer, config, model_name_of(model, args.model), args.host, args.port, api_key,
-               args.workers, args.max_queue)
+               args.max_active, args.max_queue)
     return 0
 
 

@@ -1,6 +1,8 @@
 """`tiered-kv serve`: an OpenAI-compatible chat server over CacheBank (issue 20).
 
-    engine.py    the shared TierStore, a bounded queue, the generation workers
+    engine.py    the shared TierStore, a bounded queue, the scheduler interleaving requests
+    decoding.py  one request's generation a forward pass at a time, token picks
+    background.py  the server in a thread of this process (tests, benchmarks)
     app.py       the HTTP side (Starlette, run by uvicorn): routes, streaming, errors
     protocol.py  the request checks, OpenAI's error and response shapes (no torch)
 
@@ -37,16 +39,16 @@ def api_key_from_env(name: str | None) -> str | None:
 
 
 def run_server(model, tokenizer, config, model_name: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-               api_key: str | None = None, workers: int = 2, max_queue: int = 64) -> None:
+               api_key: str | None = None, max_active: int = 16, max_queue: int = 64) -> None:
     """Serve until interrupted (uvicorn), then close the store (its blocks stay durable in cold)."""
     import uvicorn
 
     from .app import make_app
     from .engine import ChatEngine
 
-    engine = ChatEngine(model, tokenizer, config, model_name, workers=workers, max_queue=max_queue)
+    engine = ChatEngine(model, tokenizer, config, model_name, max_active=max_active, max_queue=max_queue)
     try:
-        log.warning("serving %s on http://%s:%d/v1 (%d workers, queue %d%s)", model_name, host, port, workers,
+        log.warning("serving %s on http://%s:%d/v1 (%d requests at once, queue %d%s)", model_name, host, port, max_active,
                     max_queue, ", API key required" if api_key else "")
         uvicorn.run(make_app(engine, api_key), host=host, port=port, log_level="warning")
     finally:

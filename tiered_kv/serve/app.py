@@ -2,12 +2,13 @@
 
     POST /v1/chat/completions   one reply, or (`stream: true`) server-sent events ending `data: [DONE]`
     GET  /v1/models             the served model
-    GET  /health                queue, workers, tier use
+    GET  /health                queued and active requests, tier use
     GET  /metrics               the Prometheus exposition of the store's metrics
 
 Every refusal is a 4xx (or a 429 with Retry-After) with OpenAI's `{"error": {...}}` body, and leaves
 the store as it was. `usage.prompt_tokens_details.cached_tokens` is what `attach()` reused. A
-client that goes away mid-stream cancels its generation (between two tokens).
+client that goes away (mid-stream, or while it waits for a whole reply) cancels its generation
+before its next forward pass.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import protocol
@@ -39,9 +40,11 @@ def make_app(engine: ChatEngine, api_key: str | None = None) -> Starlette:
             return StreamingResponse(_stream(engine, job), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            text, finish = await _collect(engine, job)
+            text, finish = await _collect_while_connected(http, engine, job)
         except RequestError as error:
             return _error(error)
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it: uvicorn drops it
         finally:
             job.cancel()  # (a no-op once it finished)
         return JSONResponse(protocol.completion(request, text, finish, _usage(job)))
@@ -131,6 +134,26 @@ async def _collect(engine: ChatEngine, job: Job) -> tuple[str, str]:
             raise value
         else:
             return text.full(), value
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _collect_while_connected(http: Request, engine: ChatEngine, job: Job,
+                                   poll_s: float = 0.25) -> tuple[str, str]:
+    """`_collect`, given up (and the generation cancelled) as soon as the client disconnects."""
+    collecting = asyncio.ensure_future(_collect(engine, job))
+    try:
+        while True:
+            done, _ = await asyncio.wait({collecting}, timeout=poll_s)
+            if done:
+                return collecting.result()
+            if await http.is_disconnected():
+                job.cancel()
+                raise _ClientGone
+    finally:
+        collecting.cancel()
 
 
 async def _stream(engine: ChatEngine, job: Job):

@@ -1,30 +1,28 @@
 """The server's generation side: one TierStore shared by every conversation, a bounded queue of
-requests and a fixed pool of worker threads that run them.
+requests, and one scheduler thread that interleaves the conversations a forward pass at a time.
 
-A request is the whole conversation (OpenAI clients are stateless). A worker renders it with the
-chat template, opens a CacheBank on the store, `attach()`es the longest stored verified prefix
-(from this conversation's last request, another conversation, an earlier process) and runs
-`model.generate(cache=bank)` over the rest, exactly as a local greedy generate over the same
-template would; the bank is closed after the request, its blocks staying in the store. Tokens go
-to the request's event queue as they come (the HTTP side streams them); a request whose client
-went away is cancelled between two tokens, which ends its step and frees its bank.
+A request is the whole conversation (OpenAI clients are stateless). The scheduler renders it with
+the chat template and starts a Sequence (decoding.py): a CacheBank on the store that `attach()`es
+the longest stored verified prefix (from this conversation's last request, another conversation,
+an earlier process) and prefills the rest. Up to `max_active` sequences are generated at once,
+one token each in turn; a waiting request is prefilled before the next decode step (prefill
+first, as serving engines schedule), so its first token waits for one forward pass in flight and
+the prefills ahead of it, never for other replies to finish. A request whose client went away
+ends before its next forward pass, which frees its bank; the blocks stay in the store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
 import time
 
-import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
-
-from ..bank import CacheBank
 from ..errors import CapacityError
 from ..store import TierStore
+from .decoding import Sequence
 from .protocol import ChatRequest, RequestError
 
 log = logging.getLogger(__name__)
@@ -49,53 +47,33 @@ class Job:
         self.cancelled.set()
 
 
-class _TokenStreamer(BaseStreamer):
-    """generate()'s streamer: its first put() is the prompt, each later one a new token."""
-
-    def __init__(self, job: Job):
-        self.job, self._prompt_seen = job, False
-
-    def put(self, value) -> None:
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        for token in value.reshape(-1).tolist():
-            self.job.completion_ids.append(int(token))
-            self.job.emit("token", int(token))
-
-    def end(self) -> None:
-        pass
-
-
-class _Cancelled(StoppingCriteria):
-    def __init__(self, job: Job):
-        self.job = job
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), self.job.cancelled.is_set(), dtype=torch.bool)
-
-
 class ChatEngine:
-    """`workers` generation threads over one store; at most `max_queue` requests wait for one."""
+    """One scheduler thread over one store: at most `max_active` requests generated at once, at
+    most `max_queue` more waiting for a place."""
 
-    def __init__(self, model, tokenizer, config, model_name: str, workers: int = 2, max_queue: int = 64,
+    def __init__(self, model, tokenizer, config, model_name: str, max_active: int = 16, max_queue: int = 64,
                  reuse: bool = True):
         """`reuse=False` re-prefills every request (no attach): the baseline bench/serve.py compares with."""
+        if max_active < 1 or max_queue < 1:
+            raise ValueError(f"ChatEngine(max_active={max_active}, max_queue={max_queue}): both must be >= 1")
         self.model, self.tokenizer, self.model_name, self.reuse = model, tokenizer, model_name, reuse
+        self.max_active = max_active
         self.store = TierStore(config)
-        self.device = next(model.parameters()).device
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
             else tokenizer.eos_token_id
         self.eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])] if eos is not None else []
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._seed_lock = threading.Lock()  # a seeded sampled request seeds torch's global generator
+        self._active: collections.deque[tuple[Job, Sequence]] = collections.deque()
+        self._open = 0  # sequences whose bank is open: the active ones, and one between two steps
         self._stopping = False
-        self.active = 0
-        self._threads = [threading.Thread(target=self._work, name=f"tiered_kv-serve-{i}", daemon=True)
-                         for i in range(workers)]
-        for thread in self._threads:
-            thread.start()
+        self._thread = threading.Thread(target=self._schedule, name="tiered_kv-serve", daemon=True)
+        self._thread.start()
+
+    @property
+    def active(self) -> int:
+        """Requests being generated (their banks open)."""
+        return self._open
 
     # ---- the HTTP side ------------------------------------------------------------------------
     def prompt_ids(self, request: ChatRequest) -> list[int]:
@@ -104,6 +82,8 @@ class ChatEngine:
 
     def submit(self, request: ChatRequest, loop) -> Job:
         """Queue the request (RequestError: too long for the model, or the queue is full: 429)."""
+        if self._stopping:
+            raise RequestError(503, "the server is shutting down", type_="server_error", code="shutting_down")
         ids = self.prompt_ids(request)
         limit = self.max_positions
         max_new = request.max_tokens if request.max_tokens is not None else \
@@ -121,72 +101,118 @@ class ChatEngine:
         return job
 
     def close(self) -> None:
+        """Stop generating (requests still in flight get a 503 error event) and close the store."""
         self._stopping = True
-        for _ in self._threads:
-            try:
-                self._queue.put_nowait(None)
-            except queue.Full:
-                pass
-        for thread in self._threads:
-            thread.join(timeout=30)
+        try:
+            self._queue.put_nowait(None)  # wakes an idle scheduler
+        except queue.Full:
+            pass
+        self._thread.join(timeout=60)
         self.store.close()
 
-    # ---- the workers ----------------------------------------------------------------------------
-    def _work(self) -> None:
-        while not self._stopping:
-            job = self._queue.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():
-                continue
-            self.active += 1
-            try:
-                self._run(job)
-            except RequestError as error:
-                job.emit("error", error)
-            except CapacityError as error:
-                job.emit("error", RequestError(400, f"the conversation does not fit the KV tiers: {error}",
-                                               param="messages", code="context_length_exceeded"))
-            except Exception as error:  # noqa: BLE001 - reported to the client, logged here
-                log.exception("a chat completion failed")
-                job.emit("error", RequestError(500, f"generation failed: {type(error).__name__}: {error}",
-                                               type_="server_error", code="internal_error"))
-            finally:
-                self.active -= 1
-
-    def _run(self, job: Job) -> None:
-        request = job.request
-        bank = CacheBank(self.model, store=self.store)
+    # ---- the scheduler ----------------------------------------------------------------------------
+    def _schedule(self) -> None:
         try:
-            ids = torch.tensor([job.prompt_ids], device=self.device)
-            job.cached_tokens = bank.attach(ids) if self.reuse else 0
-            kwargs = dict(max_new_tokens=job.max_new_tokens, attention_mask=torch.ones_like(ids),
-                          streamer=_TokenStreamer(job), stopping_criteria=StoppingCriteriaList([_Cancelled(job)]),
-                          pad_token_id=self.eos_ids[0] if self.eos_ids else None)
-            if request.stop:
-                kwargs.update(stop_strings=list(request.stop), tokenizer=self.tokenizer)
-            if request.temperature == 0.0:
-                kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-            else:
-                kwargs.update(do_sample=True, temperature=request.temperature, top_p=request.top_p, top_k=None)
-            with torch.no_grad():
-                if request.seed is not None and kwargs["do_sample"]:
-                    with self._seed_lock:
-                        torch.manual_seed(request.seed)
-                        self.model.generate(ids, cache=bank, **kwargs)
-                else:
-                    self.model.generate(ids, cache=bank, **kwargs)
+            while not self._stopping:
+                if self._admit_one(block=not self._active):
+                    continue  # prefill first: every waiting request starts before the next decode step
+                if self._active:
+                    self._decode_next()
         finally:
-            bank.close()
+            self._end_all()
+
+    def _admit_one(self, block: bool) -> bool:
+        """Start one waiting request (attach + prefill + its first token) if there is room; whether one was taken."""
+        if len(self._active) >= self.max_active:
+            return False
+        try:
+            job = self._queue.get(timeout=0.5) if block else self._queue.get_nowait()
+        except queue.Empty:
+            return False
+        if job is None or job.cancelled.is_set():
+            return job is not None
+        request = job.request
+        sequence = self._guarded(job, None, lambda: Sequence(
+            self.model, self.store, job.prompt_ids, job.max_new_tokens, self.eos_ids, request.temperature,
+            request.top_p, request.seed, request.stop, self.tokenizer, self.reuse))
+        if sequence is None:
+            return True
+        self._open += 1
+        token = self._guarded(job, sequence, sequence.prefill)
+        if token is not None:
+            job.cached_tokens = sequence.cached_tokens
+            self._delivered(job, sequence, token)
+        return True
+
+    def _decode_next(self) -> None:
+        job, sequence = self._active.popleft()
         if job.cancelled.is_set():
+            self._close(sequence)
             return
-        last = job.completion_ids[-1] if job.completion_ids else None
-        finished = last in self.eos_ids or len(job.completion_ids) < job.max_new_tokens
-        job.emit("done", "stop" if finished else "length")
+        token = self._guarded(job, sequence, sequence.decode)
+        if token is not None:
+            self._delivered(job, sequence, token)
+
+    def _delivered(self, job: Job, sequence: Sequence, token: int) -> None:
+        job.completion_ids.append(token)
+        job.emit("token", token)
+        if sequence.finished or job.cancelled.is_set():
+            self._close(sequence)
+            if not job.cancelled.is_set():
+                job.emit("done", sequence.finish_reason)
+        else:
+            self._active.append((job, sequence))
+
+    def _guarded(self, job: Job, sequence: Sequence | None, call):
+        """`call()`'s result; None when it failed, the client told why and the sequence closed."""
+        try:
+            return call()
+        except Exception as error:  # noqa: BLE001 - reported to the client (and logged when unexpected)
+            if sequence is not None:
+                try:
+                    self._close(sequence)
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    log.exception("closing a failed request's bank failed")
+            job.emit("error", self._client_error(error))
+            return None
+
+    def _close(self, sequence: Sequence) -> None:
+        try:
+            sequence.close()
+        finally:
+            self._open -= 1
+
+    @staticmethod
+    def _client_error(error: Exception) -> RequestError:
+        if isinstance(error, RequestError):
+            return error
+        if isinstance(error, CapacityError):
+            return RequestError(400, f"the conversation does not fit the KV tiers: {error}", param="messages",
+                                code="context_length_exceeded")
+        log.error("a chat completion failed", exc_info=error)
+        return RequestError(500, f"generation failed: {type(error).__name__}: {error}", type_="server_error",
+                            code="internal_error")
+
+    def _end_all(self) -> None:
+        """At shutdown: every request in flight or waiting gets an error and its bank is closed."""
+        stopped = RequestError(503, "the server shut down before this reply was finished", type_="server_error",
+                               code="shutting_down")
+        while self._active:
+            job, sequence = self._active.popleft()
+            self._close(sequence)
+            job.emit("error", stopped)
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.emit("error", stopped)
 
     def health(self) -> dict:
         stats = self.store.stats() if self.store.is_bound else None
         return {"status": "ok", "model": self.model_name, "queued": self._queue.qsize(), "active": self.active,
+                "max_active": self.max_active,
                 "tiers": None if stats is None else {name: {"used_blocks": t["used_blocks"],
                                                             "capacity_blocks": t["capacity_blocks"]}
                                                      for name, t in stats["tiers"].items()},
