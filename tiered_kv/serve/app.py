@@ -142,7 +142,7 @@ class _ClientGone(Exception):
 
 async def _collect_while_connected(http: Request, engine: ChatEngine, job: Job,
                                    poll_s: float = 0.25) -> tuple[str, str]:
-    """`_collect`, given up (and the generation cancelled) as soon as the client disconnects."""
+    """`_collect`, given up as soon as the client disconnects (_ClientGone; the caller cancels the job)."""
     collecting = asyncio.ensure_future(_collect(engine, job))
     try:
         while True:
@@ -150,8 +150,7 @@ async def _collect_while_connected(http: Request, engine: ChatEngine, job: Job,
             if done:
                 return collecting.result()
             if await http.is_disconnected():
-                job.cancel()
-                raise _ClientGone
+                raise _ClientGone  # the caller cancels the job
     finally:
         collecting.cancel()
 

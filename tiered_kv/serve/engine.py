@@ -138,6 +138,7 @@ class ChatEngine:
         if sequence is None:
             return True
         self._open += 1
+        job.completion_ids = sequence.completion_ids  # one list: the sequence appends, usage counts it
         token = self._guarded(job, sequence, sequence.prefill)
         if token is not None:
             job.cached_tokens = sequence.cached_tokens
@@ -154,7 +155,6 @@ class ChatEngine:
             self._delivered(job, sequence, token)
 
     def _delivered(self, job: Job, sequence: Sequence, token: int) -> None:
-        job.completion_ids.append(token)
         job.emit("token", token)
         if sequence.finished or job.cancelled.is_set():
             self._close(sequence)
