@@ -180,7 +180,10 @@ class ColdTier(DurableRecords):
         for i, slot in enumerate(slots):
             record = host[i]
             self.valid[slot] = False
-            with self._naming_the_file(), self._no_peer_reading(slot, slot in was_durable or self._header_live[slot]):
+            header_live = slot in was_durable or bool(self._header_live[slot])
+            with self._naming_the_file(), self._no_peer_reading(slot, header_live):
+                if header_live:  # zeroed first: a write a kill cuts short must not leave the old header naming new bytes
+                    self.io.write_from(self._zero_header, self._header_at(slot))
                 self.io.write_gather([record, self._zero_tail], self._offset(slot))
             for layer in range(self.layout.num_layers):
                 self.checksums[slot, layer] = checksum(record[layer])
