@@ -14,7 +14,7 @@ from tiered_kv.tiers.cold_files import open_cold_directory
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype_name="float32")  # 512 B, 4 KiB
 ROOT_A, ROOT_B = bytes.fromhex("a1" * 16), bytes.fromhex("b2" * 16)  # model fingerprints
-FOREIGN = "kv-v2-0123456789abcdef.blocks"
+FOREIGN = "kv-v9-0123456789abcdef.blocks"
 STRIDE = fmt.record_stride_bytes(LAYOUT)
 
 

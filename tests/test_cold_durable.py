@@ -124,7 +124,7 @@ def test_other_layouts_and_format_versions_are_ignored_and_left_alone(cold, tmp_
     tier = cold.open()
     write_and_persist(tier, 1, 11)
     cold.close()
-    foreign = {"kv-v2-0123456789abcdef.blocks": os.urandom(8192), "kv-v2-0123456789abcdef.index": b"garbage",
+    foreign = {"kv-v9-0123456789abcdef.blocks": os.urandom(8192), "kv-v9-0123456789abcdef.index": b"garbage",
                "kv-0123456789abcdef.blocks": os.urandom(4096)}  # a version-0 name
     for name, content in foreign.items():
         (tmp_path / "cold" / name).write_bytes(content)

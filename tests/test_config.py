@@ -155,15 +155,16 @@ def test_to_dict_exact():
     assert cfg.to_dict() == {
         "block_size": 16,
         "hot": {"device": "auto", "capacity_blocks": 8, "high_watermark": 0.9, "low_watermark": 0.8},
-        "warm": {"capacity": 1024, "pinned": "true", "layout": "auto", "high_watermark": 0.95, "low_watermark": 0.85},
+        "warm": {"capacity": 1024, "pinned": "true", "layout": "auto", "compression": "none",
+                 "high_watermark": 0.95, "low_watermark": 0.85},
         "cold": {"path": "/tmp/kv", "capacity": 8 * GiB, "backend": "posix", "fsync": False, "write_behind_s": 1.0,
-                 "admit": "published", "high_watermark": 1.0, "low_watermark": 1.0},
+                 "admit": "published", "compression": "none", "high_watermark": 1.0, "low_watermark": 1.0},
         "scheduler": {"policy": "lru", "ali_window": 100, "ali_hot": 0.7, "ali_warm": 0.3, "bs_threshold": 0.8,
                       "cs_weight": 0.5, "default_cost_sensitivity": 0.5, "idle_steps": 1000, "background": True,
                       "mover_interval_s": 0.02, "max_fragmentation": 0.5, "min_contiguity": 0.9},
         "metrics": {"enabled": True},
         "remote": {"url": "", "cluster": False, "username": "", "password_env": "", "key_prefix": "tkv:", "ttl": 0,
-                   "write": "through", "timeout_ms": 500, "required": False},
+                   "write": "through", "timeout_ms": 500, "required": False, "compression": "none"},
         "copies": {"engine": "auto", "delay_us": 0},
     }
 

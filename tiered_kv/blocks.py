@@ -13,10 +13,11 @@ block whose data failed its checksum (it keeps its id, holds no slot, and must b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .compression import check_shape as shape_problem, packed_layer_bytes
 from .errors import LayoutError
 from .layer_groups import LayerGroups, layer_groups_from_config
 
@@ -60,15 +61,38 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype_name: str  # "float32" | "float16" | "bfloat16" | "float64"
+    # how a tier stores the block (compression.py): "none" is the model's dtype, the store's own
+    # layout; a compressed tier's layout (`stored`) packs each layer slice into fewer bytes
+    compression: str = "none"
 
     @property
     def dtype_bytes(self) -> int:
         return _DTYPE_BYTES[self.dtype_name]
 
     @property
+    def is_compressed(self) -> bool:
+        return self.compression != "none"
+
+    @property
     def layer_bytes(self) -> int:
-        """Bytes of one layer's K and V inside one block."""
+        """Bytes of one layer's K and V inside one block, as this layout stores them."""
+        if self.compression != "none":
+            return packed_layer_bytes(self.num_kv_heads, self.block_size, self.head_dim, self.compression)
+        return self.model_layer_bytes
+
+    @property
+    def model_layer_bytes(self) -> int:
+        """Bytes of one layer's K and V of one block in the model's dtype (what hot holds)."""
         return 2 * self.num_kv_heads * self.block_size * self.head_dim * self.dtype_bytes
+
+    def stored(self, compression: str) -> KVLayout:
+        """This layout as a tier with `compression` stores it (LayoutError when it cannot)."""
+        if compression == self.compression:
+            return self
+        problem = shape_problem(compression, self.head_dim) if compression != "none" else None
+        if problem is not None:
+            raise LayoutError(f"compression {compression!r} cannot store this model's KV: {problem}")
+        return replace(self, compression=compression)
 
     @property
     def block_bytes(self) -> int:
@@ -79,6 +103,7 @@ class KVLayout:
         return self.block_bytes // self.block_size
 
     def record_shape(self) -> tuple[int, int, int, int, int]:
+        """A block in the model's dtype (also of a compressed layout: what its tier reads out)."""
         return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
 

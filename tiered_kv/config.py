@@ -38,6 +38,7 @@ ALLOWED_POLICIES = ("lru", "lfu", "fifo", "ali")
 ALLOWED_PINNED = ("auto", "true", "false")
 ALLOWED_WARM_LAYOUTS = ("auto", "records", "paged")
 ALLOWED_COPY_ENGINES = ("auto", "sync", "thread")
+ALLOWED_COMPRESSION = ("none", "fp8", "int8", "int4")  # warm/cold/remote.compression (compression/)
 MAX_COPY_DELAY_US = 1_000_000
 MAX_BLOCK_SIZE_TOKENS = 1024
 BLOCK_SIZE_AUTO = "auto"
@@ -53,6 +54,13 @@ _CUDA_INDEX_RE = re.compile(r"cuda:[0-9]+")
 
 def _error(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config key {key!r}: got {value!r}; allowed: {allowed}")
+
+
+def _check_compression(section: str, value: Any) -> None:
+    if not isinstance(value, str) or value not in ALLOWED_COMPRESSION:
+        raise _error(f"{section}.compression", value,
+                     _choices(ALLOWED_COMPRESSION) + " ('none' keeps the model's dtype, bitwise exact; the others "
+                     "store a block in fewer bytes, with scales: see tiered-kv quality)")
 
 
 def _is_int(value: Any) -> bool:
@@ -188,6 +196,7 @@ class WarmConfig(_TierConfig):
     """
     pinned: str = "auto"
     layout: str = "auto"
+    compression: str = "none"
 
     SECTION: ClassVar[str] = "warm"
     DEFAULT_CAPACITY_BYTES: ClassVar[int] = 2 * 2**30
@@ -201,6 +210,11 @@ class WarmConfig(_TierConfig):
             raise _error("warm.pinned", self.pinned, _choices(ALLOWED_PINNED) + " (or a YAML boolean)")
         if self.layout not in ALLOWED_WARM_LAYOUTS:
             raise _error("warm.layout", self.layout, _choices(ALLOWED_WARM_LAYOUTS))
+        _check_compression("warm", self.compression)
+        if self.compression != "none" and self.layout == "paged":
+            raise ConfigError(f"config keys 'warm.layout' and 'warm.compression': got 'paged' with "
+                              f"{self.compression!r}; allowed: 'records' or 'auto' with a compressed warm tier "
+                              "(attention reads a paged slab in place, which compressed blocks cannot be)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +233,7 @@ class ColdConfig(_TierConfig):
     fsync: bool = True
     write_behind_s: float = 1.0
     admit: str = "published"
+    compression: str = "none"
 
     SECTION: ClassVar[str] = "cold"
     DEFAULT_CAPACITY_BYTES: ClassVar[int] = 8 * 2**30
@@ -240,6 +255,7 @@ class ColdConfig(_TierConfig):
         object.__setattr__(self, "write_behind_s", float(self.write_behind_s))
         if self.admit not in ALLOWED_ADMIT:
             raise _error("cold.admit", self.admit, _choices(ALLOWED_ADMIT))
+        _check_compression("cold", self.compression)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -360,6 +376,7 @@ class RemoteConfig:
     write: str = "through"
     timeout_ms: int = 500
     required: bool = False
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
@@ -385,6 +402,7 @@ class RemoteConfig:
             raise _error("remote.write", self.write, _choices(REMOTE_WRITE_MODES))
         if not (_is_int(self.timeout_ms) and 1 <= self.timeout_ms <= 60_000):
             raise _error("remote.timeout_ms", self.timeout_ms, "an integer from 1 to 60000 (milliseconds)")
+        _check_compression("remote", self.compression)
 
     @property
     def enabled(self) -> bool:
@@ -557,9 +575,9 @@ class Config:
 
 _WATERMARK_KEYS = ("high_watermark", "low_watermark")
 _SECTION_KEYS = {"hot": ("device", "capacity", "capacity_blocks", *_WATERMARK_KEYS),
-                 "warm": ("capacity", "capacity_blocks", "pinned", "layout", *_WATERMARK_KEYS),
+                 "warm": ("capacity", "capacity_blocks", "pinned", "layout", "compression", *_WATERMARK_KEYS),
                  "cold": ("path", "capacity", "capacity_blocks", "backend", "fsync", "write_behind_s", "admit",
-                          *_WATERMARK_KEYS),
+                          "compression", *_WATERMARK_KEYS),
                  "scheduler": tuple(f.name for f in dataclasses.fields(SchedulerConfig)),
                  "metrics": tuple(f.name for f in dataclasses.fields(MetricsConfig)),
                  "remote": tuple(f.name for f in dataclasses.fields(RemoteConfig)),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..blocks import KVLayout
+from ..compression import codec as compression_codec
 from ..tiers import cold_format as fmt
 
 REMOTE_SLOT = 0  # the header's slot field: a remote value belongs to no slot
@@ -28,12 +29,16 @@ def remote_key(prefix: str, layout: KVLayout, root: bytes, key: bytes) -> bytes:
 
 
 def value_bytes(layout: KVLayout) -> int:
+    """Bytes of one value: the header and the block as `layout` stores it (packed when compressed)."""
     return fmt.header_bytes(layout) + layout.block_bytes
 
 
 def encode(layout: KVLayout, key: bytes, root: bytes, block: np.ndarray) -> bytes:
-    """The value of one block (`block`: its bytes, any dtype, `layout.block_bytes` in all)."""
+    """The value of one block (`block`: its bytes in the model's dtype; packed here when `layout`
+    is compressed, and the checksums cover the packed bytes)."""
     data = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+    if layout.is_compressed:
+        data = compression_codec.pack_block_bytes(layout, data)
     if data.size != layout.block_bytes:
         raise ValueError(f"remote value: block of {data.size} bytes, expected {layout.block_bytes}")
     layers = data.reshape(layout.num_layers, -1)
@@ -42,8 +47,8 @@ def encode(layout: KVLayout, key: bytes, root: bytes, block: np.ndarray) -> byte
 
 
 def decode(layout: KVLayout, key: bytes, root: bytes, value) -> tuple[np.ndarray | None, str]:
-    """(the block's bytes as uint8, "") when `value` is an intact value of this key, root and
-    layout; else (None, why not)."""
+    """(the block's bytes as uint8 in the model's dtype, "") when `value` is an intact value of this
+    key, root and layout (compression included); else (None, why not)."""
     if value is None:
         return None, "missing"
     header_size = fmt.header_bytes(layout)
@@ -60,4 +65,6 @@ def decode(layout: KVLayout, key: bytes, root: bytes, value) -> tuple[np.ndarray
     for layer, (data, expected) in enumerate(zip(layers, header.checksums)):
         if fmt.checksum(data) != expected:
             return None, f"layer {layer} fails its checksum"
+    if layout.is_compressed:
+        return compression_codec.unpack_block_bytes(layout, raw[header_size:]), ""
     return raw[header_size:], ""

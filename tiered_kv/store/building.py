@@ -18,6 +18,7 @@ from ..metrics.registry import BACKGROUND, ON_DEMAND
 from ..pool import SlotPool
 from ..scheduler.mem_scheduler import Watermarks
 from ..tiers import ColdTier, HotTier
+from ..tiers.compressed import CompressedColdTier
 from ..tiers.cold_files import ColdDirectory, open_cold_directory
 from ..tiers.cold_peers import PeerFiles
 from ..tiers.warm import warm_tier
@@ -32,9 +33,16 @@ STAGING_DEVICE_BYTES = 64 * 2**20
 BACKGROUND_STAGING_BYTES = 16 * 2**20  # the mover's batches (mover.BATCH_BYTES)
 
 
+def stored_layouts(config, layout: KVLayout) -> list[KVLayout]:
+    """Each tier's layout: hot holds the model's dtype; warm and cold as their `compression` says
+    (a compressed block is fewer bytes, so the same capacity holds more of them)."""
+    return [layout, layout.stored(config.warm.compression), layout.stored(config.cold.compression)]
+
+
 def capacities_of(config, layout: KVLayout, has_cold: bool) -> list[int]:
-    return [config.hot.resolve_blocks(layout.block_bytes), config.warm.resolve_blocks(layout.block_bytes),
-            config.cold.resolve_blocks(layout.block_bytes) if has_cold else 0]
+    hot, warm, cold = stored_layouts(config, layout)
+    return [config.hot.resolve_blocks(hot.block_bytes), config.warm.resolve_blocks(warm.block_bytes),
+            config.cold.resolve_blocks(cold.block_bytes) if has_cold else 0]
 
 
 def open_cold(path: str) -> tuple[ColdDirectory, str | None]:
@@ -55,12 +63,14 @@ def build_tiers(config, layout: KVLayout, dtype: torch.dtype, device, pinned: bo
     as soon as it exists. A store that cannot claim a block file of its own on the cold directory
     (or may not write there) runs without a cold tier, reading the other stores' records there."""
     capacities = capacities_of(config, layout, cold_directory is not None and may_write_cold)
+    _, warm_layout, cold_layout = stored_layouts(config, layout)
     made.append(HotTier(layout, capacities[HOT], device, dtype))
-    made.append(warm_tier(layout, capacities[WARM], dtype, pinned, config.warm.layout, device))
+    made.append(warm_tier(warm_layout, capacities[WARM], dtype, pinned, config.warm.layout, device))
     cold, unavailable = None, None
     if capacities[COLD] > 0:
         try:
-            cold = ColdTier(layout, capacities[COLD], cold_directory, config.cold.backend, config.cold.fsync)
+            cold = (CompressedColdTier if cold_layout.is_compressed else ColdTier)(
+                cold_layout, capacities[COLD], cold_directory, config.cold.backend, config.cold.fsync)
         except ColdPathInUseError as error:
             unavailable = str(error)
             log.warning("%s; this store runs read-only on cold (hot and warm of its own; it reads the other stores' "

@@ -8,7 +8,9 @@
   while the other half is copied to its destination) and checked against their checksums: a
   block that fails is marked `corrupt` on its transfer and never copied anywhere;
 - a read-out copies one block into host memory (the remote writer); a write-in fills new blocks
-  from host bytes (a remote fetch).
+  from host bytes (a remote fetch);
+- a compressed tier (tiers/compressed.py) has no slot views: its blocks go out through its
+  `read_blocks` (decoded, on the destination's device) and come in through `write_blocks` (encoded).
 Host memory a device copy of the unit still uses is reused only after `engine.host_wait()`.
 """
 
@@ -23,6 +25,7 @@ from ..blocks import COLD
 from ..errors import CorruptBlockError
 from ..hw.block_copy import BlockCopier
 from ..hw.copy_engine import CopyEvent
+from ..tiers.compressed import is_compressed
 
 MOVE, COPY, READ_OUT, WRITE_IN = "move", "copy", "read_out", "write_in"
 BACKUP = "backup"  # a durable copy into cold of a block that stays where it is (write_behind.py)
@@ -69,6 +72,8 @@ def run(tiers: list, transfers: list, staging: Staging, engine, metrics) -> None
             _read_out(tiers, group, engine)
         elif kind == WRITE_IN:
             tiers[dst_tier].write_blocks([t.dst_slot for t in group], torch.cat([t.data for t in group]))
+        elif COLD not in (src_tier, dst_tier) and (is_compressed(tiers[src_tier]) or is_compressed(tiers[dst_tier])):
+            _through_codec(tiers, group, src_tier, dst_tier)
         elif COLD not in (src_tier, dst_tier):
             staging.copier.copy(tiers[dst_tier].slots_view(), [t.dst_slot for t in group],
                                 tiers[src_tier].slots_view(), [t.src_slot for t in group])
@@ -77,6 +82,21 @@ def run(tiers: list, transfers: list, staging: Staging, engine, metrics) -> None
         else:
             _into_cold(tiers, group, src_tier, staging, engine)
     # no host wait here: device copies still queued are covered by the unit's event
+
+
+def _through_codec(tiers: list, group: list, src_tier: int, dst_tier: int) -> None:
+    src, dst = tiers[src_tier], tiers[dst_tier]
+    slots = [t.src_slot for t in group]
+    data = src.read_blocks(slots, device=getattr(dst, "device", None)) if is_compressed(src) else src.read_blocks(slots)
+    dst.write_blocks([t.dst_slot for t in group], data)
+
+
+def _gather(tiers: list, src_tier: int, slots: list[int], buffer, staging: Staging) -> None:
+    """Blocks of a hot or warm tier into the host staging `buffer`, in order."""
+    if is_compressed(tiers[src_tier]):
+        buffer.copy_(tiers[src_tier].read_blocks(slots))
+    else:
+        staging.copier.copy(buffer, range(len(slots)), tiers[src_tier].slots_view(), slots)
 
 
 def _read_out(tiers: list, group: list, engine) -> None:
@@ -98,7 +118,7 @@ def _into_cold(tiers: list, group: list, src_tier: int, staging: Staging, engine
     for start in range(0, len(group), chunk_blocks):
         chunk = group[start:start + chunk_blocks]
         buffer = staging.host[:len(chunk)]
-        staging.copier.copy(buffer, range(len(chunk)), tiers[src_tier].slots_view(), [t.src_slot for t in chunk])
+        _gather(tiers, src_tier, [t.src_slot for t in chunk], buffer, staging)
         engine.host_wait()  # pwritev reads the host buffer now
         tiers[COLD].write_blocks([t.dst_slot for t in chunk], buffer)
 

@@ -129,7 +129,7 @@ class Reporting:
                     else "file"
                 if not bound:
                     tiers[name] = {"used_blocks": 0, "capacity_blocks": 0, "used_bytes": 0, "capacity_bytes": 0,
-                                   "device": device}
+                                   "device": device, "block_bytes": 0, "compression": "none"}
                     continue
                 pool = store.state.pools[t]
                 if t == COLD:
@@ -137,9 +137,12 @@ class Reporting:
                     device = getattr(cold, "file_path", None) or (
                         f"unavailable: {store.cold_unavailable}" if store.cold_unavailable else "disabled")
                 used = self._used_blocks(t)
-                tiers[name] = {"used_blocks": used, "capacity_blocks": pool.num_slots,
-                               "used_bytes": used * store.layout.block_bytes,
-                               "capacity_bytes": pool.num_slots * store.layout.block_bytes, "device": device}
+                stored = store.state.tiers[t].layout if store.state.tiers[t] is not None else \
+                    store.layout.stored(store.config.cold.compression)  # cold off: as configured
+                block_bytes = stored.block_bytes  # as the tier stores a block: fewer bytes when compressed
+                tiers[name] = {"used_blocks": used, "capacity_blocks": pool.num_slots, "used_bytes": used * block_bytes,
+                               "capacity_bytes": pool.num_slots * block_bytes, "device": device,
+                               "block_bytes": block_bytes, "compression": stored.compression}
                 if t == COLD:  # slots holding durable copies of blocks above (counted free: they go first)
                     tiers[name]["copies_blocks"] = len(store.state.copies or ())
             block_size = {"tokens": store.config.block_size, "auto": store.config.block_size_is_auto}

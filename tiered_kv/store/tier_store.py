@@ -189,14 +189,14 @@ class TierStore:
         if self.config.scheduler.background:
             self.mover = Mover(self, self.config.scheduler.mover_interval_s)
         if self.remote is not None:
-            self.remote.bind(layout, self.remote_io.read_block_bytes)
+            self.remote.bind(layout.stored(self.config.remote.compression), self.remote_io.read_block_bytes)
 
     def _bind(self, layout: KVLayout, dtype: torch.dtype) -> None:
         made = self.state.tiers  # what building made, closed by _release_resources if it fails partway
         tiers, pools, unavailable = building.build_tiers(self.config, layout, dtype, self.device, self.pinned,
                                                          self._cold_directory, made, self.cold_unavailable is None)
         self.cold_unavailable = self.cold_unavailable or unavailable
-        self.peers = building.peers_of(self._cold_directory, layout, tiers[COLD])
+        self.peers = building.peers_of(self._cold_directory, layout.stored(self.config.cold.compression), tiers[COLD])
         staging = building.build_staging(layout, dtype, self.device, self.pinned, [p.num_slots for p in pools])
         if tiers[COLD] is not None:
             durability.import_durable_records(self.state.index, tiers[COLD], pools[COLD])

@@ -66,7 +66,9 @@ class ColdTier(DurableRecords):
         self.fsync = fsync
         self.record_stride_bytes = fmt.record_stride_bytes(layout)
         self._header_offset = fmt.header_offset_bytes(layout)
-        self._np_dtype = _NP_DTYPES[layout.dtype_name]
+        # the bytes of a record as this tier stores them: the model's dtype, or a compressed layout's
+        # packed bytes (uint8 `[L, layer_bytes]`; cold_compressed.py converts at the tier's edge)
+        self._np_dtype = np.uint8 if layout.is_compressed else _NP_DTYPES[layout.dtype_name]
         self._torch_dtype = getattr(torch, layout.dtype_name)
         no_kvikio = kvikio_unusable_reason() if backend in ("auto", "kvikio") else "cold.backend: posix"
         can_use_kvikio = no_kvikio is None
@@ -98,14 +100,13 @@ class ColdTier(DurableRecords):
         self._generation = np.zeros(num_slots, dtype=np.int64)
         self._state_lock = threading.Lock()
         self._write_warnings = Throttle(log)  # failed header writes / syncs / commits (a full disk repeats)
-        self._slice_shape = (2, layout.num_kv_heads, layout.block_size, layout.head_dim)
+        self._slice_shape = (layout.layer_bytes,) if layout.is_compressed else \
+            (2, layout.num_kv_heads, layout.block_size, layout.head_dim)
         self._slot_locks = [threading.Lock() for _ in range(64)]  # striped: a slice's write vs its reads
         self._scratch = ScratchPool(lambda: _Scratch(self._slice_shape, self._np_dtype, layout.layer_bytes))
         self._zero_tail = np.zeros(self.record_stride_bytes - layout.block_bytes, dtype=np.uint8)
         self._zero_header = self._zero_tail[-fmt.header_bytes(layout):]
-        layout_text = "x".join(str(v) for v in (layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                                                  layout.block_size, layout.dtype_name))
-        self.index = ColdIndex(directory, fmt.index_file_name(layout, self.file_number), layout_text,
+        self.index = ColdIndex(directory, fmt.index_file_name(layout, self.file_number), fmt.layout_text(layout),
                                synchronous=fsync)
         self._index_usable = True
         try:
@@ -306,15 +307,14 @@ class ColdTier(DurableRecords):
 
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
         _, groups = index
-        host = self._to_numpy(kv)
+        host = self._token_values(kv)
         with self._guard, self._scratch.take() as scratch:
             was_durable = set(self._withdraw(list(groups), zero_header=True))  # a changed record is not durable
             buffer = scratch.layer_buffer
             for slot, items in groups.items():
                 with self._slot_lock(slot):  # a read of this slice (the stream worker's) waits for it
                     self._read_layer_slice(slot, layer, buffer)  # read-modify-write of one slice
-                    positions, offsets = _positions_and_offsets(items)
-                    buffer[:, :, offsets] = host[:, :, positions]
+                    self._put_tokens(buffer, *_positions_and_offsets(items), host)
                     self.valid[slot, layer] = False
                     with self._naming_the_file(), \
                             self._no_peer_reading(slot, slot in was_durable or self._header_live[slot]):
@@ -323,6 +323,15 @@ class ColdTier(DurableRecords):
                     self.valid[slot, layer] = True
         self._count_written(len(groups) * self.layout.layer_bytes)
         self._dirty = True
+
+    def _token_values(self, kv: torch.Tensor):
+        """`write_tokens`' values as `_put_tokens` takes them."""
+        return self._to_numpy(kv)
+
+    @staticmethod
+    def _put_tokens(buffer: np.ndarray, positions: list[int], offsets: list[int], host) -> None:
+        """Tokens `positions` of `host` into one layer slice at `offsets` (read-modify-write)."""
+        buffer[:, :, offsets] = host[:, :, positions]
 
     def _slot_lock(self, slot: int) -> threading.Lock:
         return self._slot_locks[slot % len(self._slot_locks)]

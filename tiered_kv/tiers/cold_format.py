@@ -42,11 +42,14 @@ import xxhash
 
 from ..blocks import KVLayout
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # records in the model's dtype (compression "none")
+COMPRESSED_FORMAT_VERSION = 2  # compressed records: the v1 header + the compression's name
+FORMAT_VERSIONS = (FORMAT_VERSION, COMPRESSED_FORMAT_VERSION)
 MAGIC = b"TKVCOLD\0"
 ALIGN_BYTES = 4096
 HEADER_ALIGN_BYTES = 512
 _PREFIX = struct.Struct("<8sIIIIII16sQQ16s16s")
+_COMPRESSION = struct.Struct("<8s")  # v2: follows the prefix; ASCII, NUL padded
 _U64 = struct.Struct("<Q")
 KEY_BYTES = 16
 
@@ -62,10 +65,35 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def layout_signature(layout: KVLayout) -> str:
-    """`v<format version>-<16 hex of the layout>`: names this layout's files in this format."""
+def format_version(layout: KVLayout) -> int:
+    """1 for records in the model's dtype, 2 for compressed ones (compression/)."""
+    return COMPRESSED_FORMAT_VERSION if layout.is_compressed else FORMAT_VERSION
+
+
+def layout_text(layout: KVLayout) -> str:
+    """`LxHxDxBSxdtype` (v1), `LxHxDxBSxdtypexcompression` (v2): what an index's meta names."""
     text = f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}x{layout.block_size}x{layout.dtype_name}"
-    return f"v{FORMAT_VERSION}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    return f"{text}x{layout.compression}" if layout.is_compressed else text
+
+
+def index_meta(layout: KVLayout) -> dict[str, str]:
+    """The meta rows of an index of this layout's records (a file of another version is never read)."""
+    return {"format_version": str(format_version(layout)), "layout": layout_text(layout)}
+
+
+def layout_from_text(text: str) -> KVLayout:
+    """Inverse of `layout_text`; ValueError when it is not one."""
+    fields = text.split("x")
+    if len(fields) not in (5, 6):
+        raise ValueError(f"layout {text!r} is not LxHxDxBSxdtype[xcompression]")
+    layout = KVLayout(*(int(v) for v in fields[:4]), fields[4])
+    return layout.stored(fields[5]) if len(fields) == 6 else layout
+
+
+def layout_signature(layout: KVLayout) -> str:
+    """`v<format version>-<16 hex of the layout>`: names this layout's files in this format (a
+    compressed layout's hash covers its compression, so no mode reads another's records)."""
+    return f"v{format_version(layout)}-{hashlib.sha256(layout_text(layout).encode()).hexdigest()[:16]}"
 
 
 def block_file_name(layout: KVLayout, number: int = 0) -> str:
@@ -78,21 +106,25 @@ def index_file_name(layout: KVLayout, number: int = 0) -> str:
     return f"kv-{layout_signature(layout)}{f'-{number}' if number else ''}.index"
 
 
-# kv-v1-<16 hex>[-<number>].<blocks | index | index-wal | index-shm>
-FILE_NAME = re.compile(r"kv-v1-([0-9a-f]{16})(?:-([1-9][0-9]{0,2}))?\.(blocks|index(?:-wal|-shm)?)")
+# kv-v<1|2>-<16 hex>[-<number>].<blocks | index | index-wal | index-shm>
+FILE_NAME = re.compile(r"kv-(v[12]-[0-9a-f]{16})(?:-([1-9][0-9]{0,2}))?\.(blocks|index(?:-wal|-shm)?)")
 MAX_FILES = 256  # block files per layout in one directory: processes writing it at once
 
 
 def file_number(name: str) -> tuple[str, int, str] | None:
-    """(layout hex, file number, kind) of one of our file names, else None."""
+    """(layout signature `v<version>-<hex>`, file number, kind) of one of our file names, else None."""
     match = FILE_NAME.fullmatch(name)
     if match is None:
         return None
     return match.group(1), int(match.group(2) or 0), match.group(3)
 
 
+def _prefix_bytes(layout: KVLayout) -> int:
+    return _PREFIX.size + (_COMPRESSION.size if layout.is_compressed else 0)
+
+
 def header_bytes(layout: KVLayout) -> int:
-    used = _PREFIX.size + (layout.num_layers + 1) * _U64.size
+    used = _prefix_bytes(layout) + (layout.num_layers + 1) * _U64.size
     return -(-used // HEADER_ALIGN_BYTES) * HEADER_ALIGN_BYTES
 
 
@@ -124,9 +156,11 @@ def pack_header(layout: KVLayout, slot: int, key: bytes, root: bytes, checksums)
     checksums = [int(c) for c in checksums]
     if len(checksums) != layout.num_layers:
         raise ValueError(f"cold slot {slot}: {len(checksums)} checksums for {layout.num_layers} layers")
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, header_bytes(layout), layout.num_layers, layout.num_kv_heads,
-                          layout.head_dim, layout.block_size, layout.dtype_name.encode("ascii"), slot,
-                          layout.block_bytes, _check_key("key", key), _check_key("root", root))
+    prefix = _PREFIX.pack(MAGIC, format_version(layout), header_bytes(layout), layout.num_layers,
+                          layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype_name.encode("ascii"),
+                          slot, layout.block_bytes, _check_key("key", key), _check_key("root", root))
+    if layout.is_compressed:
+        prefix += _COMPRESSION.pack(layout.compression.encode("ascii"))
     body = prefix + b"".join(_U64.pack(c) for c in checksums)
     body += _U64.pack(checksum(body))
     page = np.zeros(header_bytes(layout), dtype=np.uint8)
@@ -136,7 +170,7 @@ def pack_header(layout: KVLayout, slot: int, key: bytes, root: bytes, checksums)
 
 def unpack_header(layout: KVLayout, slot: int, page: np.ndarray) -> RecordHeader:
     """The header read from slot `slot`'s record; FormatError unless it is an intact version-1
-    header of this layout, this slot and this length."""
+    header of this layout (compression included), this slot and this length."""
     raw = np.ascontiguousarray(page).reshape(-1).view(np.uint8).tobytes()
     if len(raw) != header_bytes(layout):
         raise FormatError(f"header is {len(raw)} bytes, expected {header_bytes(layout)}")
@@ -144,9 +178,14 @@ def unpack_header(layout: KVLayout, slot: int, page: np.ndarray) -> RecordHeader
     magic, version, size, num_layers, num_kv_heads, head_dim, block_size, dtype, on_slot, length, key, root = fields
     if magic != MAGIC:
         raise FormatError("no record header (bad magic)")
-    if version != FORMAT_VERSION:
-        raise FormatError(f"format version {version}, expected {FORMAT_VERSION}")
-    end = _PREFIX.size + num_layers * _U64.size if num_layers == layout.num_layers else 0
+    if version != format_version(layout):
+        raise FormatError(f"format version {version}, expected {format_version(layout)}")
+    prefix_size = _prefix_bytes(layout)
+    if layout.is_compressed:
+        found = _COMPRESSION.unpack_from(raw, _PREFIX.size)[0].rstrip(b"\0").decode("ascii", "replace")
+        if found != layout.compression:
+            raise FormatError(f"compression {found!r}, expected {layout.compression!r}")
+    end = prefix_size + num_layers * _U64.size if num_layers == layout.num_layers else 0
     if not end or end + _U64.size > len(raw):
         raise FormatError(f"{num_layers} layers, expected {layout.num_layers}")
     if _U64.unpack_from(raw, end)[0] != checksum(raw[:end]):
@@ -161,7 +200,7 @@ def unpack_header(layout: KVLayout, slot: int, page: np.ndarray) -> RecordHeader
                           f"expected {expected}")
     if on_slot != slot:
         raise FormatError(f"header names slot {on_slot}")
-    checksums = tuple(_U64.unpack_from(raw, _PREFIX.size + i * _U64.size)[0] for i in range(num_layers))
+    checksums = tuple(_U64.unpack_from(raw, prefix_size + i * _U64.size)[0] for i in range(num_layers))
     return RecordHeader(slot, key, root, checksums)
 
 

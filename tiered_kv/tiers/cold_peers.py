@@ -31,6 +31,7 @@ import urllib.parse
 import numpy as np
 
 from ..blocks import KVLayout
+from ..compression import codec
 from ..errors import ConfigError
 from . import cold_format as fmt
 
@@ -81,9 +82,7 @@ class PeerFiles:
         self._directory = directory
         self.layout = layout
         self._own = own_number
-        self._signature = fmt.layout_signature(layout)[len(f"v{fmt.FORMAT_VERSION}-"):]
-        self._layout_text = "x".join(str(v) for v in (layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                                                       layout.block_size, layout.dtype_name))
+        self._signature = fmt.layout_signature(layout)
         self._peers: dict[int, _Peer] = {}
         self._refused: set[int] = set()  # peers whose files cannot be used (said once)
         self._lock = threading.Lock()
@@ -141,7 +140,7 @@ class PeerFiles:
                 self._drop(number)  # opened while nobody wrote it: read it as a live one now
             if number not in self._peers and number not in self._refused:
                 try:
-                    self._peers[number] = _Peer(directory, self.layout, number, self._layout_text, live)
+                    self._peers[number] = _Peer(directory, self.layout, number, live)
                 except (ConfigError, fmt.FormatError, sqlite3.Error, OSError) as exc:
                     self._refused.add(number)
                     log.warning("cold directory %s: the peer block file %s is not read (%s)", directory.path,
@@ -163,7 +162,7 @@ class PeerFiles:
 class _Peer:
     """One peer's block file (read-only fd) and index (a sqlite reader that never writes)."""
 
-    def __init__(self, directory, layout: KVLayout, number: int, layout_text: str, live: bool):
+    def __init__(self, directory, layout: KVLayout, number: int, live: bool):
         self.layout = layout
         self.name = fmt.block_file_name(layout, number)
         self.stride_bytes = fmt.record_stride_bytes(layout)
@@ -179,7 +178,7 @@ class _Peer:
             self.db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=1.0)
             try:
                 meta = dict(self.db.execute("SELECT name, value FROM meta").fetchall())
-                expected = {"format_version": str(fmt.FORMAT_VERSION), "layout": layout_text}
+                expected = fmt.index_meta(layout)
                 if meta != expected:
                     raise fmt.FormatError(f"its index describes {meta}, expected {expected}")
             except BaseException:
@@ -211,6 +210,8 @@ class _Peer:
                 record_unlock(self.fd, slot, self.stride_bytes)
         if fmt.record_problem(layout, slot, data, key, root, checksums) is not None:
             return None
+        if layout.is_compressed:  # checked packed bytes; the store takes the model's dtype
+            return codec.unpack_block_bytes(layout, np.frombuffer(data, dtype=np.uint8)[:layout.block_bytes]).tobytes()
         return data[:layout.block_bytes]
 
     def close(self) -> None:

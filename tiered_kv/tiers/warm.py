@@ -168,7 +168,11 @@ class PagedWarmTier(PagedTier):
 
 def warm_tier(layout: KVLayout, num_slots: int, dtype: torch.dtype, pinned: bool, layout_name: str,
               hot_device) -> WarmTier | PagedWarmTier:
-    """The warm tier for config `warm.layout` ("auto": paged when the hot tier is on the CPU)."""
+    """The warm tier for config `warm.layout` ("auto": paged when the hot tier is on the CPU) and
+    `layout` (a compressed one: packed records, compressed.py)."""
+    if layout.is_compressed:
+        from .compressed import CompressedWarmTier
+        return CompressedWarmTier(layout, num_slots, dtype, pinned)
     on_cpu = torch.device(hot_device).type == "cpu"
     if layout_name == "paged" and not on_cpu:
         raise ConfigError(f"config key 'warm.layout': got 'paged' with the hot tier on {hot_device}; allowed there: "

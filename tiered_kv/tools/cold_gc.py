@@ -113,9 +113,7 @@ def _gc_locked(directory, path, drop_roots, keep_roots, max_bytes, drop_bad, dry
 
 def _drop(directory: ColdDirectory, entry, slots: list[int]) -> None:
     layout = entry.layout
-    text = "x".join(str(v) for v in (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
-                                       layout.dtype_name))
-    index = ColdIndex(directory, entry.index_name, text, synchronous=True)
+    index = ColdIndex(directory, entry.index_name, fmt.layout_text(layout), synchronous=True)
     index.open()
     try:
         index.apply([], slots, [])  # one transaction; committed (synchronous=FULL) before any header changes

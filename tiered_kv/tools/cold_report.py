@@ -40,7 +40,8 @@ def inspect_json(found: ColdScan) -> dict:
             "attached": f.attached, "owner_pid": f.owner_pid,
             "layout": None if layout is None else {
                 "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
-                "block_size": layout.block_size, "dtype": layout.dtype_name, "block_bytes": layout.block_bytes,
+                "block_size": layout.block_size, "dtype": layout.dtype_name, "compression": layout.compression,
+                "block_bytes": layout.block_bytes,
                 "record_stride_bytes": f.stride_bytes},
             "capacity_slots": f.capacity_slots,
             "capacity_bytes": None if f.capacity_slots is None else f.capacity_slots * f.stride_bytes,
@@ -69,7 +70,8 @@ def inspect_text(found: ColdScan) -> str:
         layout = f["layout"]
         if layout:
             lines.append(f"  layout: {layout['num_layers']} layers x {layout['num_kv_heads']} kv heads x head_dim "
-                         f"{layout['head_dim']}, block {layout['block_size']} tokens, {layout['dtype']} "
+                         f"{layout['head_dim']}, block {layout['block_size']} tokens, {layout['dtype']}"
+                         f"{'' if layout['compression'] == 'none' else ', compressed ' + layout['compression']} "
                          f"({layout['block_bytes']} B of KV in a {layout['record_stride_bytes']} B record)")
         if f["capacity_slots"] is not None:
             lines.append(f"  capacity: {f['capacity_slots']} slots, {human_bytes(f['capacity_bytes'])}; "

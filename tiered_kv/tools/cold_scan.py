@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..blocks import KVLayout
+from ..errors import LayoutError
 from ..tiers import cold_format as fmt
 from ..tiers.cold_files import LOCK_NAME
 
@@ -155,7 +156,7 @@ def scan(path: str, verify: bool = False, locked: bool = False) -> ColdScan:
                 continue
             signature, number, kind = fmt.file_number(name)
             entry = files.setdefault((signature, number), LayoutFile(
-                f"kv-v1-{signature}{f'-{number}' if number else ''}.blocks"))
+                f"kv-{signature}{f'-{number}' if number else ''}.blocks"))
             if kind == "blocks":
                 entry.size_bytes = info.st_size
                 entry.attached = not locked and _held(dir_fd, name)
@@ -197,11 +198,11 @@ def _load(dir_fd, path, signature, entry: LayoutFile, running, names, verify) ->
         entry.problem = f"index cannot be read read-only: {exc}{hint}"
         return
     try:
-        layout = KVLayout(*(int(v) for v in meta["layout"].split("x")[:4]), meta["layout"].split("x")[4])
-    except (KeyError, ValueError, IndexError, TypeError):
+        layout = fmt.layout_from_text(meta["layout"])
+    except (KeyError, ValueError, IndexError, TypeError, LayoutError):
         entry.problem = f"index meta {meta!r} names no layout"
         return
-    if meta.get("format_version") != str(fmt.FORMAT_VERSION) or fmt.layout_signature(layout) != "v1-" + signature:
+    if meta != fmt.index_meta(layout) or fmt.layout_signature(layout) != signature:
         entry.problem = f"index meta {meta!r} does not match the file name"
         return
     entry.layout = layout

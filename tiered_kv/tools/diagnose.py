@@ -229,12 +229,14 @@ def _kv_figures(store, bank: CacheBank, stats: dict, used_blocks_before: list[in
     for t, name in enumerate(TIER_NAMES):
         pool = store.pools[t]
         prompt_blocks = int(stats["bank_blocks"][name])
+        tier_bytes = stats["tiers"][name].get("block_bytes", block_bytes)  # compressed: fewer
         tiers[name] = TierFigures(
             location=str(stats["tiers"][name]["device"]), capacity_blocks=pool.num_slots,
             used_blocks_before=used_blocks_before[t], used_blocks=pool.num_used, prompt_blocks=prompt_blocks,
-            reserved_bytes=_reserved_bytes(store, t), used_bytes=pool.num_used * block_bytes,
-            prompt_bytes=prompt_blocks * block_bytes,
-            moved_in_bytes=sum(v for k, v in stats["bytes_moved"].items() if k.endswith(f"->{name}")))
+            reserved_bytes=_reserved_bytes(store, t), used_bytes=pool.num_used * tier_bytes,
+            prompt_bytes=prompt_blocks * tier_bytes,
+            moved_in_bytes=sum(v for k, v in stats["bytes_moved"].items() if k.endswith(f"->{name}")),
+            block_bytes=tier_bytes, compression=stats["tiers"][name].get("compression", "none"))
     waste_slots = num_blocks * block_size - held_tokens
     waste_tier = None
     if tables[0] and waste_slots:

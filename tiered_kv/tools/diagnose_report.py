@@ -76,6 +76,8 @@ class TierFigures:
     used_bytes: int  # used_blocks x block_bytes
     prompt_bytes: int  # prompt_blocks x block_bytes
     moved_in_bytes: int  # bytes moved into the tier during the run
+    block_bytes: int = 0  # one block as this tier stores it (fewer than hot's when compressed)
+    compression: str = "none"
 
     @property
     def touched(self) -> bool:
@@ -243,12 +245,12 @@ def report_text(report: Report) -> str:
         f"  {'total in host RAM beside it':<36}{_bytes(totals['host_bytes']):>16}{_mib(totals['host_bytes']):>11}"
         "  warm + host staging",
         "",
-        "KV by tier       blocks used/capacity  prompt blocks  moved in (B)  where",
+        "KV by tier       blocks used/capacity  prompt blocks  moved in (B)  B/block (compression)  where",
     ]
     for name in TIER_NAMES:
         tier = kv.tiers[name]
         lines.append(f"  {name:<14} {f'{tier.used_blocks}/{tier.capacity_blocks}':>20} {tier.prompt_blocks:>14} "
-                     f"{tier.moved_in_bytes:>13,}  {tier.location}")
+                     f"{tier.moved_in_bytes:>13,}  {f'{tier.block_bytes:,} ({tier.compression})':>21}  {tier.location}")
     moved = ", ".join(f"{k} {v:,} B" for k, v in link.bytes_moved.items() if v) or "none"
     lines += [
         "",
