@@ -187,7 +187,8 @@ def test_stats_report_every_tier(tmp_path):
     stats = bank.stats()
     block_bytes = 2 * 2 * 2 * 4 * 16 * 4  # layers x K/V x kv heads x block tokens x head_dim x fp32
     assert stats["tiers"]["hot"] == {"used_blocks": 2, "capacity_blocks": 2, "used_bytes": 2 * block_bytes,
-                                     "capacity_bytes": 2 * block_bytes, "device": "cpu"}
+                                     "capacity_bytes": 2 * block_bytes, "device": "cpu",
+                                     "block_bytes": block_bytes, "compression": "none"}
     assert stats["tiers"]["warm"]["used_blocks"] == 3
     assert stats["tiers"]["cold"]["used_blocks"] == 3  # 32 tokens = 8 blocks
     assert stats["bank_blocks"] == {"hot": 2, "warm": 3, "cold": 3}

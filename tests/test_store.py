@@ -492,13 +492,14 @@ def test_stats_report_every_tier(make_store):
                           "critical_path", "scheduler", "fragmentation", "contiguity", "contiguity_min", "durability",
                           "block_size", "metrics", "remote", "copies"}
     assert stats["block_size"] == {"tokens": store.config.block_size, "auto": False}
+    plain = {"block_bytes": 512, "compression": "none"}  # as each tier stores a block
     assert stats["tiers"]["hot"] == {"used_blocks": 2, "capacity_blocks": 2, "used_bytes": 1024,
-                                     "capacity_bytes": 1024, "device": "cpu"}
+                                     "capacity_bytes": 1024, "device": "cpu", **plain}
     assert stats["tiers"]["warm"] == {"used_blocks": 2, "capacity_blocks": 3, "used_bytes": 1024,
-                                      "capacity_bytes": 1536, "device": "cpu"}
+                                      "capacity_bytes": 1536, "device": "cpu", **plain}
     assert stats["tiers"]["cold"] == {"used_blocks": 0, "capacity_blocks": 4, "used_bytes": 0,
                                       "capacity_bytes": 2048, "device": store.tiers[COLD].file_path,
-                                      "copies_blocks": 0}
+                                      "copies_blocks": 0, **plain}
     assert stats["hits"] == {"hot": 2, "warm": 1, "cold": 0}
     assert stats["misses"] == 0
     assert stats["bytes_moved"] == NO_BYTES_MOVED
