@@ -50,6 +50,14 @@
 //     bytes (16, 8, 4, 2 or 1) and every address and stride is a multiple of it. A slot
 //     outside [0, num_slots) is skipped (never read or written out of bounds).
 //
+//   dequant_blocks: packed layer slices of compressed blocks (tiered_kv/compression) expanded into
+//     the model's dtype: dst[slot] = decode(src[i]) for i < n, slot = slots[i] (slots null: i).
+//     src uint8 [n, L, P] with P stride 1 (byte strides of a block and a layer free; the device's
+//     memory or pinned host memory through UVA), P = the mode's packed slice bytes for (H, bs, D);
+//     every scale is 2-byte aligned (src, its strides even). dst [N, L, 2, H, bs, D] of the
+//     element type, strides in elements, D stride 1. mode 0 fp8 (e4m3; a scale, keys also a
+//     zero), 1 int8 (a scale), 2 int4 (a scale and a zero; D even). A slot outside [0, N) is skipped.
+//
 //   merge_states: two partial attentions over disjoint key sets, each (out [B, H, D] with D
 //     stride 1, lse float32 [B, H] contiguous), merged by their log-sum-exp:
 //       m = max(lse_a, lse_b); wa = exp(lse_a - m); wb = exp(lse_b - m)
@@ -122,6 +130,22 @@ extern "C" __global__ void merge_partitions_bf16(TKV_PARTITION_MERGE_PARAMS(tkv_
 extern "C" __global__ void merge_states_f32(TKV_MERGE_PARAMS(float));
 extern "C" __global__ void merge_states_f16(TKV_MERGE_PARAMS(tkv_half));
 extern "C" __global__ void merge_states_bf16(TKV_MERGE_PARAMS(tkv_bf16));
+
+// dequant_blocks.cu: one thread block per (list entry, layer, K/V x head): grid (n, L, 2 * H),
+// TKV_DEQUANT_THREADS threads.
+#define TKV_DEQUANT_THREADS 128
+#define TKV_DEQUANT_FP8 0
+#define TKV_DEQUANT_INT8 1
+#define TKV_DEQUANT_INT4 2
+#define TKV_DEQUANT_PARAMS(T)                                                                  \
+    T* dst, long long dst_slot, long long dst_layer, long long dst_kv, long long dst_head,     \
+    long long dst_tok, int num_dst_slots, const unsigned char* src, long long src_block,       \
+    long long src_layer, const int* slots, int num_kv_heads, int block_size, int head_dim,     \
+    int mode
+
+extern "C" __global__ void dequant_blocks_f32(TKV_DEQUANT_PARAMS(float));
+extern "C" __global__ void dequant_blocks_f16(TKV_DEQUANT_PARAMS(tkv_half));
+extern "C" __global__ void dequant_blocks_bf16(TKV_DEQUANT_PARAMS(tkv_bf16));
 
 // gather_blocks.cu / scatter_blocks.cu: one thread block per (list entry, head): grid (n, H).
 #define TKV_COPY_PARAMS                                                                        \

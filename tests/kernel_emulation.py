@@ -202,6 +202,8 @@ static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f
 static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
 static inline int __ffs(int x) { return __builtin_ffs(x); }
+static inline float __fmul_rn(float a, float b) { return a * b; }  // no contraction on the host build (no -mfma)
+static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float tkv_emu_half_to_float(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
 static inline unsigned short tkv_emu_float_to_half(float f) {
     _Float16 x = (_Float16)f;

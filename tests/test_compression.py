@@ -292,3 +292,82 @@ def test_a_corrupt_compressed_cold_block_is_recomputed_not_served(tmp_path):
     follow = greedy(model, follow_ids, bank, 5)
     assert torch.equal(follow, greedy(model, follow_ids, DynamicCache(config=model.config), 5))
     bank.close()
+
+
+# ---- moves between tiers: quantized once, decoded where the block lands ------------------------------
+
+def compressed_store(tmp_path, warm_mode: str, cold_mode: str, engine: str, hot: int = 2, warm: int = 2,
+                     cold: int = 8):
+    copies = {"engine": engine, "delay_us": 200} if engine == "thread" else {"engine": engine}
+    store = tiered_kv.TierStore({
+        "block_size": LAYOUT.block_size,
+        "hot": {"device": "cpu", "capacity_blocks": hot, "high_watermark": 1.0, "low_watermark": 1.0},
+        "warm": {"capacity_blocks": warm, "pinned": False, "compression": warm_mode,
+                 "high_watermark": 1.0, "low_watermark": 1.0},
+        "cold": {"capacity_blocks": cold, "path": str(tmp_path / "cold"), "backend": "posix",
+                 "compression": cold_mode, "write_behind_s": 0},
+        "scheduler": {"background": False},
+        "copies": copies})
+    store.bind(LAYOUT, torch.float32)
+    return store
+
+
+def read_block(store, block_id: int) -> torch.Tensor:
+    entry = store.index.get(block_id)
+    return store.tiers[entry.tier].read_blocks([entry.slot]).to("cpu")
+
+
+@pytest.mark.parametrize("engine", ("sync", "thread"))
+@pytest.mark.parametrize("modes", (("int8", "int8"), ("fp8", "fp8"), ("int4", "int4"), ("fp8", "int8"),
+                                   ("none", "int4"), ("int8", "none")), ids=lambda m: "-".join(m))
+def test_blocks_moving_down_and_back_up_are_quantized_once(tmp_path, modes, engine):
+    """hot -> warm -> cold -> warm -> hot: where warm and cold share a mode the packed bytes move as
+    they are, so a block that went down and came back holds exactly decode(encode(x)) of its first
+    compression: no drift from re-quantizing on every move. Mixed modes go through the model's dtype
+    (each compression's own error, within the sum of both bounds)."""
+    warm_mode, cold_mode = modes
+    store = compressed_store(tmp_path, warm_mode, cold_mode, engine)
+    try:
+        data = blocks(1, seed=7)
+        (block_id,) = store.allocate(1)
+        entry = store.index.get(block_id)
+        assert entry.tier == 0
+        store.tiers[0].write_blocks([entry.slot], data)
+        first = warm_mode if warm_mode != "none" else cold_mode
+        once = codec.decode(codec.encode(data, first), first, 2, 4, 8)
+        store.demote([block_id], 1)
+        assert store.index.get(block_id).tier == 1
+        assert torch.equal(read_block(store, block_id), data if warm_mode == "none" else once)
+        store.demote([block_id], 2)
+        assert store.index.get(block_id).tier == 2
+        store.promote([block_id])
+        assert store.index.get(block_id).tier == 0
+        back = read_block(store, block_id)
+        if warm_mode == cold_mode or "none" in modes:
+            assert torch.equal(back, once)
+        else:
+            bound = codec.error_bound(data, warm_mode) + codec.error_bound(once, cold_mode) + 1e-6
+            assert bool(((back - data).abs() <= bound).all())
+        assert store.check_consistency() == []
+    finally:
+        store.close()
+
+
+def test_same_mode_moves_to_and_from_cold_carry_the_packed_bytes(tmp_path, monkeypatch):
+    """warm int8 <-> cold int8 never encodes or decodes: the packed records are written and read as they are."""
+    store = compressed_store(tmp_path, "int8", "int8", "sync")
+    try:
+        (block_id,) = store.allocate(1)
+        store.tiers[0].write_blocks([store.index.get(block_id).slot], blocks(1, seed=9))
+        store.demote([block_id], 1)
+        packed = store.tiers[1].read_packed([store.index.get(block_id).slot])
+        calls = []
+        for name in ("encode", "decode", "decode_into"):
+            real = getattr(codec, name)
+            monkeypatch.setattr(codec, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+        store.demote([block_id], 2)
+        assert np.array_equal(store.tiers[2].read_packed([store.index.get(block_id).slot])[0], packed[0].numpy())
+        store.placement.promote([block_id])  # comes back up: hot has room, so it decodes once into hot
+        assert calls == ["decode_into"]
+    finally:
+        store.close()

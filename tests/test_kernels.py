@@ -660,7 +660,9 @@ def test_selfcheck_on_cpu_reports_every_op():
     assert set(report["paged_decode"]) == {"float32/bs8/hot+warm", "float32/bs8/hot+warm/split1200"}
     assert set(report["gather_blocks"]) == {f"float32/bs8/{t}" for t in TIERS}
     assert set(report["merge_states"]) == {"float32"}
+    assert set(report["dequant_blocks"]) == {f"float32/bs8/{m}" for m in ("fp8", "int8", "int4")}
     if report["backend"] == "torch":
+        assert all(error == 0.0 for error in report["dequant_blocks"].values())
         assert report["paged_decode"]["float32/bs8/hot+warm"] == {"out": 0.0, "lse": 0.0}
 
 
@@ -799,7 +801,7 @@ def test_gpu_ops_backend_and_selfcheck():
     for key, errors in report["paged_decode"].items():
         tol = OUT_TOL[getattr(torch, key.split("/")[0])]
         assert errors["out"] <= tol and errors["lse"] <= 1e-4, (key, errors)
-    for op in ("gather_blocks", "scatter_blocks"):
+    for op in ("gather_blocks", "scatter_blocks", "dequant_blocks"):
         assert all(error == 0.0 for error in report[op].values()), report[op]
     for name, errors in report["merge_states"].items():
         assert errors["out"] <= OUT_TOL[getattr(torch, name)] and errors["lse"] <= 1e-5, (name, errors)
@@ -935,3 +937,115 @@ def test_gpu_split_paged_decode_runs_on_the_current_stream():
         out = out.clone()
     side.synchronize()
     torch.testing.assert_close(out, want_out, atol=2e-5, rtol=2e-5)
+
+
+# ---------------------------------------------------------------- dequant_blocks (compressed lower tiers)
+
+DEQUANT_MODES = ("fp8", "int8", "int4")
+
+
+def _dequant_case(mode: str, count: int = 3, layers: int = 2, heads: int = 2, block_size: int = 8, head_dim: int = 16,
+                  seed: int = 0):
+    """Packed slices of `count` blocks (with an outlier key channel and a wide value range, zeros in
+    one block) and what the torch codec makes of them."""
+    from tiered_kv.compression import codec
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randn(count, layers, 2, heads, block_size, head_dim, generator=gen) * 3
+    blocks[..., 0, :, :, 1] += 20
+    blocks[..., 1, :, 2, :] *= 1e-4  # one value token tiny: fp8 subnormals
+    blocks[-1] = 0
+    return codec.encode(blocks, mode), blocks
+
+
+def _hot_slot_view(num_slots: int, layers: int, heads: int, block_size: int, head_dim: int, dtype):
+    """A hot slab `[L, 2, H, S*bs, D]` (NaN-filled) and its slot-major view `[S, L, 2, H, bs, D]`."""
+    slab = torch.full((layers, 2, heads, num_slots * block_size, head_dim), float("nan"), dtype=dtype)
+    return slab, slab.view(layers, 2, heads, num_slots, block_size, head_dim).permute(3, 0, 1, 2, 4, 5)
+
+
+@needs_host_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("mode", DEQUANT_MODES)
+def test_emulated_dequant_blocks_matches_the_torch_codec_bit_for_bit(emulated, mode, dtype):
+    packed, _ = _dequant_case(mode)
+    # straight into hot slots (a strided view), slot list with one out of range (skipped)
+    slab, view = _hot_slot_view(6, 2, 2, 8, 16, dtype)
+    want_slab, want_view = _hot_slot_view(6, 2, 2, 8, 16, dtype)
+    slots = torch.tensor([4, 0, 9], dtype=torch.int32)
+    cuda.dequant_blocks(view, packed, slots, mode)
+    reference.dequant_blocks(want_view, packed[:2], slots[:2], mode)
+    assert torch.equal(slab.isnan(), want_slab.isnan())  # slot 9 skipped; nothing else written
+    assert torch.equal(slab.nan_to_num(), want_slab.nan_to_num())
+    # into a contiguous staging buffer, no slot list
+    staging, want = torch.zeros(3, 2, 2, 2, 8, 16, dtype=dtype), torch.zeros(3, 2, 2, 2, 8, 16, dtype=dtype)
+    cuda.dequant_blocks(staging, packed, None, mode)
+    reference.dequant_blocks(want, packed, None, mode)
+    assert torch.equal(staging, want) and bool((staging[-1] == 0).all())
+    assert [name for name, _ in emulated] == [f"dequant_blocks_{cuda._DTYPE_SUFFIX[dtype]}"] * 2
+
+
+def test_reference_dequant_is_the_codec_and_within_the_modes_bound():
+    from tiered_kv.compression import codec
+
+    for mode in DEQUANT_MODES:
+        packed, blocks = _dequant_case(mode, seed=3)
+        got = torch.zeros_like(blocks)
+        reference.dequant_blocks(got, packed, None, mode)
+        assert torch.equal(got, codec.decode(packed, mode, 2, 8, 16))
+        assert bool(((got - blocks).abs() <= codec.error_bound(blocks, mode) + 1e-6).all())
+
+
+def test_cuda_dequant_launch_matches_the_header(recorded_launches):
+    packed, _ = _dequant_case("int4", count=2, layers=3, heads=2, block_size=4, head_dim=8)
+    _, view = _hot_slot_view(5, 3, 2, 4, 8, torch.bfloat16)
+    cuda.dequant_blocks(view, packed, torch.tensor([3, 1], dtype=torch.int32), "int4")
+    (call,) = recorded_launches
+    assert call[:4] == ("dequant_blocks.cu", "dequant_blocks_bf16", (2, 3, 4), (128, 1, 1))
+    _assert_args_match(call[4], "TKV_DEQUANT_PARAMS")
+    assert [int(a) for a in call[4][1:6]] == list(view.stride()[:5]) and int(call[4][6]) == 5
+    assert int(call[4][-1]) == contracts.DEQUANT_MODES["int4"] == 2
+
+
+DEQUANT_BAD = {
+    "mode": (lambda d, s, sl: (d, s, sl, "int2"), r"`mode` must be one of"),
+    "dst rank": (lambda d, s, sl: (d[0], s, sl, "int8"), r"`dst` must be float32"),
+    "dst dtype": (lambda d, s, sl: (d.double(), s, sl, "int8"), r"`dst` must be float32"),
+    "src bytes": (lambda d, s, sl: (d, s[..., 1:], sl, "int8"), r"`src` must be uint8 \[n, 2, "),
+    "src dtype": (lambda d, s, sl: (d, s.to(torch.int16), sl, "int8"), r"`src` must be uint8"),
+    "src odd": (lambda d, s, sl: (d, torch.zeros(s.numel() + 1, dtype=torch.uint8)[1:].view(s.shape), sl, "int8"),
+                r"`src` must be .*even address"),
+    "slots dtype": (lambda d, s, sl: (d, s, sl.long(), "int8"), r"`slots` must be int32"),
+    "too few slots": (lambda d, s, sl: (d[:1], s, None, "int8"), r"`dst` must be at least n = 2"),
+    "int4 odd D": (lambda d, s, sl: (d[..., :15], s, sl, "int4"), r"`dst` must be an even D"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEQUANT_BAD))
+def test_dequant_contract_rejects(recorded_launches, name):
+    packed, blocks = _dequant_case("int8", count=2)
+    make, message = DEQUANT_BAD[name]
+    args = make(torch.zeros_like(blocks), packed, torch.tensor([1, 0], dtype=torch.int32))
+    with pytest.raises(LayoutError, match=message):
+        cuda.dequant_blocks(*args)
+    with pytest.raises(LayoutError, match=message):
+        reference.dequant_blocks(*args)
+    assert recorded_launches == []
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("mode", DEQUANT_MODES)
+def test_gpu_dequant_blocks_match_the_reference_from_device_and_pinned_memory(mode, dtype):
+    packed, _ = _dequant_case(mode, count=5, layers=3, heads=3, block_size=16, head_dim=64, seed=5)
+    want_slab, want_view = _hot_slot_view(7, 3, 3, 16, 64, dtype)
+    slots = torch.tensor([6, 2, 0, 5, 3], dtype=torch.int32)
+    reference.dequant_blocks(want_view, packed, slots, mode)
+    for src in (packed.cuda(), packed.pin_memory()):  # device memory, and a pinned warm slab through UVA
+        slab, view = _hot_slot_view(7, 3, 3, 16, 64, dtype)
+        slab = slab.cuda()
+        view = slab.view(3, 2, 3, 7, 16, 64).permute(3, 0, 1, 2, 4, 5)
+        cuda.dequant_blocks(view, src, slots.cuda(), mode)
+        torch.cuda.synchronize()
+        got = slab.cpu()
+        assert torch.equal(got.nan_to_num(), want_slab.nan_to_num()) and torch.equal(got.isnan(), want_slab.isnan())

@@ -1,7 +1,8 @@
 """The `tiered-kv` command line. `tiered-kv chat` runs the scripted multi-turn chat (the main job);
 `tiered-kv inspect` and `tiered-kv gc` look into and clean a cold directory; `tiered-kv diagnose`
 measures where memory goes for one prompt (tiered_kv/tools/); `tiered-kv plot` draws a trace that
-`chat --trace` wrote (tiered_kv/trace/).
+`chat --trace` wrote (tiered_kv/trace/); `tiered-kv quality` measures what a compressed lower tier
+costs a model (tiered_kv/compression/quality.py).
 
 Bad input (a config that does not validate, a missing model or script file, a prompt too long
 for the model or the tiers) is reported as one line on stderr with exit status 2, never a
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cold_commands(commands)
     _add_serve_command(commands)
     _add_diagnose_command(commands)
+    _add_quality_command(commands)
     plot = commands.add_parser(
         "plot", help="draw a chat trace (chat --trace) as PNGs: tier occupancy, hit rate, bytes moved, TTFT",
         description="Read a trace written by `tiered-kv chat --trace` and write occupancy.png (blocks used per "
@@ -147,6 +149,78 @@ def _add_diagnose_command(commands) -> None:
     diagnose.add_argument("--json", action="store_true", help="print JSON instead of text")
     diagnose.add_argument("--no-progress", action="store_true", help="no progress bar while loading the model")
     _add_verbosity(diagnose)
+
+
+def _compression_list(text: str) -> list[str]:
+    """An argparse type: 'int8', 'fp8,int4' or 'all' (every lossy mode)."""
+    from .compression import MODES
+
+    names = list(MODES[1:]) if text.strip() == "all" else [name.strip() for name in text.split(",") if name.strip()]
+    bad = [name for name in names if name not in MODES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(MODES)} separated by commas, "
+                                         "or all")
+    return names
+
+
+def _add_quality_command(commands) -> None:
+    from .compression.quality import DEFAULT_CHUNK_TOKENS, DEFAULT_CONTINUATION_TOKENS, DEFAULT_TOKENS
+
+    quality = commands.add_parser(
+        "quality", help="measure what a compressed lower tier costs a model: next-token agreement, perplexity, "
+                        "KL divergence and greedy continuations against the uncompressed cache",
+        description="Teacher-force a text through the model twice, in chunks: with transformers' DynamicCache "
+                    "(the reference) and through a CacheBank whose hot tier holds one chunk's blocks, so the "
+                    "history each chunk attends to lies in the compressed tier. Reports per mode the share of "
+                    "positions whose next-token argmax agrees, the perplexity ratio, KL(reference || bank) per "
+                    "token, how far the two greedy continuations after the text stay equal, and bytes per block.")
+    quality.add_argument("--model", default=None, metavar="PATH",
+                         help="a local Hugging Face model folder or .gguf file (default: the bundled SmolLM2)")
+    quality.add_argument("--text", default=None, metavar="FILE",
+                         help="a UTF-8 text file (default: the Python language reference pages every Python ships, "
+                              "pydoc_data.topics)")
+    quality.add_argument("--compression", type=_compression_list, default=["int8"], metavar="MODES",
+                         help="fp8, int8, int4 (or none, the control), comma-separated, or all (default: int8)")
+    quality.add_argument("--tier", choices=("warm", "cold"), default="warm",
+                         help="where the compressed history lies (default: %(default)s)")
+    quality.add_argument("--tokens", type=_positive_int, default=DEFAULT_TOKENS, metavar="N",
+                         help="tokens of the text to use at most (default: %(default)s)")
+    quality.add_argument("--chunk-tokens", type=_positive_int, default=DEFAULT_CHUNK_TOKENS, metavar="N",
+                         help="tokens per forward pass (default: %(default)s)")
+    quality.add_argument("--continuation-tokens", type=_positive_int, default=DEFAULT_CONTINUATION_TOKENS,
+                         metavar="N", help="greedy tokens generated after the text (default: %(default)s)")
+    quality.add_argument("--json", action="store_true", help="print JSON instead of text")
+    quality.add_argument("--no-progress", action="store_true", help="no progress bar while loading the model")
+    _add_verbosity(quality)
+
+
+def _quality(args: argparse.Namespace) -> int:
+    from .compression import quality
+    from .models import ModelNotFoundError, load_model
+
+    try:
+        text = quality.default_text() if args.text is None else _read_text(args.text)
+        model, tokenizer = load_model(args.model, progress=not (args.no_progress or args.quiet))
+    except (ModelNotFoundError, OSError, ValueError) as exc:
+        return _fail(exc, EXIT_USAGE)
+    reports = []
+    try:
+        for mode in args.compression:
+            reports.append(quality.measure(model, tokenizer, text, compression=mode, tier=args.tier,
+                                           num_tokens=args.tokens, chunk_tokens=args.chunk_tokens,
+                                           continuation_tokens=args.continuation_tokens))
+    except ValueError as exc:  # a text too short for two chunks (LayoutError, a ValueError too: int4 and odd heads)
+        return _fail(exc, EXIT_USAGE)
+    print(json.dumps([r.to_dict() for r in reports], indent=2) if args.json else quality.format_report(reports))
+    return 0
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ValueError(f"--text {path!r}: cannot read it as UTF-8 text ({reason})") from None
 
 
 def _add_serve_command(commands) -> None:
@@ -438,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
                 return _plot(args)
             if args.command == "serve":
                 return _serve(args)
+            if args.command == "quality":
+                return _quality(args)
             return _chat(args)
         except KeyboardInterrupt:
             print("tiered-kv: interrupted", file=sys.stderr)

@@ -1,116 +1,237 @@
-"""The codecs of compression/__init__.py's packed layout: vectorized torch on CPU or CUDA."""
+"""The codecs of compression/__init__.py's packed layout: vectorized torch on CPU or CUDA.
+
+`encode` packs layer slices `[..., 2, H, bs, D]` into uint8 `[..., P]`; `decode_into` unpacks them
+straight into a destination of the model's dtype (a stream buffer, the hot slab's slots: any
+strided view), `decode` into a new tensor. Each part is a handful of whole-tensor passes (no
+per-token Python, no temporaries the size of the output for fp32), because a decode step over
+history in a compressed warm tier runs `decode_into` for every layer:
+
+- int8: codes copied (converted) into the destination, multiplied by their scales in place;
+- fp8: e4m3 bytes turned into float16 bit patterns with integer ops (e4m3 is float16 with 4
+  exponent bits and 3 mantissa bits, so `sign | magnitude << 7` is the float16 of value / 256,
+  subnormals included) and converted in one copy: torch's own float8 -> float32 cast runs ~10x
+  slower than that on CPU; the scale carries the 256;
+- int4: two nibbles per byte spread into two bytes with one int16 pass, then as int8 plus a zero.
+On CUDA the native kernel (native/dequant_blocks.cu, kernels.ops.dequant_blocks) does all of it in
+one pass; `decode_into` takes it when the destination is on a GPU and the kernels run there.
+"""
 
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 import torch
 
-from . import MODES
+from . import KEY_ZERO_MODES, MODES, VALUE_ZERO_MODES, packed_layer_bytes
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_MAX = 127.0
 INT4_LEVELS = 15.0
 _SCALE_DTYPE = torch.float16
 _SCALE_MAX = 65504.0  # largest finite float16
+_FP8_AS_HALF = 256.0  # an e4m3 byte read as float16 bits (see the module docstring) is value / 256
 _MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                  "float64": torch.float64}
 
 
-def _parts(mode: str, heads: int, bs: int, dim: int) -> list[tuple[str, int]]:
-    """(name, bytes) of the packed slice's parts, in order."""
+@functools.lru_cache(maxsize=64)
+def parts(mode: str, heads: int, bs: int, dim: int) -> dict[str, tuple[int, int]]:
+    """name -> (first byte, end byte) of the packed slice's parts, in order (compression/__init__.py)."""
+    if mode not in MODES[1:]:
+        raise ValueError(f"compression {mode!r} has no packed layout; allowed: {MODES[1:]}")
     codes = heads * bs * dim // (2 if mode == "int4" else 1)
-    parts = [("k", codes), ("v", codes), ("k_scale", 2 * heads * dim)]
-    if mode == "int4":
-        parts.append(("k_zero", 2 * heads * dim))
-    parts.append(("v_scale", 2 * heads * bs))
-    if mode == "int4":
-        parts.append(("v_zero", 2 * heads * bs))
-    return parts
+    sizes = [("k", codes), ("v", codes), ("k_scale", 2 * heads * dim)]
+    if mode in KEY_ZERO_MODES:
+        sizes.append(("k_zero", 2 * heads * dim))
+    sizes.append(("v_scale", 2 * heads * bs))
+    if mode in VALUE_ZERO_MODES:
+        sizes.append(("v_zero", 2 * heads * bs))
+    out, at = {}, 0
+    for name, size in sizes:
+        out[name] = (at, at + size)
+        at += size
+    assert at == packed_layer_bytes(heads, bs, dim, mode), (mode, at)
+    return out
 
 
-def _scale(amax: torch.Tensor, levels: float) -> torch.Tensor:
-    """A float16 scale (kept finite) and its float32 value for quantizing."""
-    return (amax / levels).clamp(max=_SCALE_MAX).to(_SCALE_DTYPE)
+def _scale16(amax: torch.Tensor, levels: float) -> torch.Tensor:
+    """The float16 scale of a group whose largest magnitude (or range) is `amax` (kept finite)."""
+    return (amax / levels).clamp_(max=_SCALE_MAX).to(_SCALE_DTYPE)
 
 
-def _safe(scale16: torch.Tensor) -> torch.Tensor:
+def _inverse(scale16: torch.Tensor) -> torch.Tensor:
+    """1 / scale in float32, 0 where the scale is 0 (an all-zero group: every code 0)."""
     scale = scale16.float()
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
 
 
-def _symmetric(x: torch.Tensor, dim: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 codes, float16 scales with `dim` reduced) of float32 `x`."""
-    levels = FP8_MAX if mode == "fp8" else INT8_MAX
-    scale16 = _scale(x.abs().amax(dim=dim, keepdim=True), levels)
-    scaled = x / _safe(scale16)
+def _put_halves(packed: torch.Tensor, part: tuple[int, int], values16: torch.Tensor) -> None:
+    packed[..., part[0]:part[1]] = values16.contiguous().view(torch.uint8).reshape(*packed.shape[:-1], -1)
+
+
+def _halves(packed: torch.Tensor, part: tuple[int, int], shape: tuple[int, ...]) -> torch.Tensor:
+    """A float16 part as float32 `[..., *shape]` (scales and zeros: small, copied)."""
+    raw = packed[..., part[0]:part[1]].contiguous()
+    return raw.view(_SCALE_DTYPE).float().unflatten(-1, shape)
+
+
+def _low_high(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Minimum and maximum over `dim`, kept as size 1 (two reductions: aminmax is ~5x slower on CPU)."""
+    return x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+
+
+def _encode_symmetric(x: torch.Tensor, reduce_dim: int, mode: str, codes_out: torch.Tensor,
+                      centred: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Codes of float32 `x` into the uint8 view `codes_out` (same shape); returns float16 scales
+    (and, `centred`, the float16 midpoints subtracted first) with `reduce_dim` kept as size 1."""
+    low, high = _low_high(x, reduce_dim)
+    zero16 = None
+    if centred:
+        zero16 = ((low + high) * 0.5).clamp_(-_SCALE_MAX, _SCALE_MAX).to(_SCALE_DTYPE)
+        zero = zero16.float()
+        x = x - zero
+        low, high = low - zero, high - zero
+    scale16 = _scale16(torch.maximum(low.neg_(), high), FP8_MAX if mode == "fp8" else INT8_MAX)
+    scaled = x * _inverse(scale16)
     if mode == "fp8":
-        codes = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        codes_out.view(torch.float8_e4m3fn).copy_(scaled.clamp_(-FP8_MAX, FP8_MAX))
     else:
-        codes = scaled.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8).view(torch.uint8)
-    return codes, scale16.squeeze(dim)
+        codes_out.view(torch.int8).copy_(scaled.round_().clamp_(-INT8_MAX, INT8_MAX))
+    return scale16, zero16
 
 
-def _asymmetric(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(uint8 codes two per byte along the last axis, float16 scales, float16 zeros) of float32 `x`."""
-    low = x.amin(dim=dim, keepdim=True)
-    zero16 = low.clamp(-_SCALE_MAX, _SCALE_MAX).to(_SCALE_DTYPE)
-    scale16 = _scale(x.amax(dim=dim, keepdim=True) - zero16.float(), INT4_LEVELS)
-    codes = ((x - zero16.float()) / _safe(scale16)).round_().clamp_(0, INT4_LEVELS).to(torch.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, scale16.squeeze(dim), zero16.squeeze(dim)
+def _encode_int4(x: torch.Tensor, reduce_dim: int, codes_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes of float32 `x` `[..., D]`, two per byte along D, into `codes_out`
+    `[..., D / 2]`; returns float16 (scales, zeros) with `reduce_dim` kept as size 1."""
+    low, high = _low_high(x, reduce_dim)
+    zero16 = low.clamp_(-_SCALE_MAX, _SCALE_MAX).to(_SCALE_DTYPE)
+    zero = zero16.float()
+    scale16 = _scale16(high - zero, INT4_LEVELS)
+    codes = (x - zero).mul_(_inverse(scale16)).round_().clamp_(0, INT4_LEVELS).to(torch.uint8)
+    pairs = codes.view(torch.int16)  # little-endian: an even element in the low byte, the odd one in the high
+    codes_out.copy_(pairs.bitwise_and(0x0F).bitwise_or_(pairs.bitwise_right_shift(4).bitwise_and_(0xF0)))
+    return scale16, zero16
 
 
 def encode(x: torch.Tensor, mode: str) -> torch.Tensor:
-    """Layer slices `[..., 2, H, bs, D]` (any float dtype, any device) as uint8 `[..., P]`."""
+    """Layer slices `[..., 2, H, bs, D]` (any float dtype, any device) as uint8 `[..., P]` there.
+
+    Keys are quantized per channel (over the block's tokens), values per token (over head_dim)."""
     lead, (heads, bs, dim) = x.shape[:-4], x.shape[-3:]
-    x = x.float().reshape(-1, 2, heads, bs, dim)
-    keys, values = x[:, 0], x[:, 1]
+    layout = parts(mode, heads, bs, dim)
+    x = x.float().contiguous()
+    keys, values = x[..., 0, :, :, :], x[..., 1, :, :, :]
+    packed = torch.empty(*lead, packed_layer_bytes(heads, bs, dim, mode), dtype=torch.uint8, device=x.device)
+    per_code = (heads, bs, dim // 2) if mode == "int4" else (heads, bs, dim)
+
+    def codes(name: str) -> torch.Tensor:
+        first, end = layout[name]
+        return packed[..., first:end].unflatten(-1, per_code)
+
     if mode == "int4":
-        k_codes, k_scale, k_zero = _asymmetric(keys, dim=-2)  # per channel: over the block's tokens
-        v_codes, v_scale, v_zero = _asymmetric(values, dim=-1)  # per token: over head_dim
-        pieces = [k_codes, v_codes, k_scale, k_zero, v_scale, v_zero]
-    elif mode in ("int8", "fp8"):
-        k_codes, k_scale = _symmetric(keys, -2, mode)
-        v_codes, v_scale = _symmetric(values, -1, mode)
-        pieces = [k_codes, v_codes, k_scale, v_scale]
+        k_scale, k_zero = _encode_int4(keys, -2, codes("k"))
+        v_scale, v_zero = _encode_int4(values, -1, codes("v"))
+        _put_halves(packed, layout["v_zero"], v_zero)
     else:
-        raise ValueError(f"compression {mode!r} cannot encode; allowed: {MODES[1:]}")
-    n = x.shape[0]
-    flat = [p.contiguous().view(torch.uint8).reshape(n, -1) for p in pieces]
-    return torch.cat(flat, dim=1).reshape(*lead, -1)
+        k_scale, k_zero = _encode_symmetric(keys, -2, mode, codes("k"), centred=mode in KEY_ZERO_MODES)
+        v_scale, _ = _encode_symmetric(values, -1, mode, codes("v"))
+    if mode in KEY_ZERO_MODES:
+        _put_halves(packed, layout["k_zero"], k_zero)
+    _put_halves(packed, layout["k_scale"], k_scale)
+    _put_halves(packed, layout["v_scale"], v_scale)
+    return packed
+
+
+def _fp8_as_half(raw: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes (uint8) as the float16 of value / 256: sign to bit 15, the rest shifted by 7."""
+    bits = raw.view(torch.int8).to(torch.int16)  # sign-extended: bit 14 holds the sign after the shift
+    return bits.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16)
+
+
+def _int4_as_bytes(raw: torch.Tensor) -> torch.Tensor:
+    """Packed nibbles `[..., n]` as one byte each `[..., 2n]` (low nibble first)."""
+    wide = raw.to(torch.int16)
+    spread = wide.bitwise_and(0x0F).bitwise_or_(wide.bitwise_left_shift_(4).bitwise_and_(0x0F00))
+    return spread.view(torch.uint8)
+
+
+def _codes_into(packed: torch.Tensor, mode: str, name: str, shape: tuple[int, int, int], out: torch.Tensor) -> None:
+    """One part's codes, converted to numbers, into `out` (`[..., H, bs, D]`, any strides)."""
+    first, end = parts(mode, *shape)[name]
+    raw = packed[..., first:end]
+    if mode == "int8":
+        out.copy_(raw.view(torch.int8).unflatten(-1, shape))
+    elif mode == "fp8":
+        out.copy_(_fp8_as_half(raw).unflatten(-1, shape))
+    else:
+        out.copy_(_int4_as_bytes(raw).unflatten(-1, shape))
+
+
+def decode_into(packed: torch.Tensor, mode: str, out: torch.Tensor) -> None:
+    """uint8 `[..., P]` unpacked into `out` `[..., 2, H, bs, D]` (the same leading dims; any
+    strides with D contiguous, any float dtype, on packed's device)."""
+    heads, bs, dim = out.shape[-3:]
+    layout = parts(mode, heads, bs, dim)
+    expected = packed_layer_bytes(heads, bs, dim, mode)
+    if packed.shape[-1] != expected:
+        raise ValueError(f"compressed slice of {packed.shape[-1]} bytes; {mode} with H={heads} bs={bs} D={dim} "
+                         f"packs {expected}")
+    if out.is_cuda and _native_decode(packed, mode, out):
+        return
+    decode_torch(packed, mode, out)
+
+
+def decode_torch(packed: torch.Tensor, mode: str, out: torch.Tensor) -> None:
+    """`decode_into` in torch ops (any device): the CPU path and the native kernel's reference."""
+    heads, bs, dim = out.shape[-3:]
+    layout = parts(mode, heads, bs, dim)
+    target = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    keys, values = target[..., 0, :, :, :], target[..., 1, :, :, :]
+    shape = (heads, bs, dim)
+    k_scale = _halves(packed, layout["k_scale"], (heads, 1, dim))
+    v_scale = _halves(packed, layout["v_scale"], (heads, bs, 1))
+    if mode == "fp8":
+        k_scale.mul_(_FP8_AS_HALF)
+        v_scale.mul_(_FP8_AS_HALF)
+    _codes_into(packed, mode, "k", shape, keys)
+    keys.mul_(k_scale)
+    _codes_into(packed, mode, "v", shape, values)
+    values.mul_(v_scale)
+    if mode in KEY_ZERO_MODES:
+        keys.add_(_halves(packed, layout["k_zero"], (heads, 1, dim)))
+    if mode in VALUE_ZERO_MODES:
+        values.add_(_halves(packed, layout["v_zero"], (heads, bs, 1)))
+    if target is not out:
+        out.copy_(target)
 
 
 def decode(packed: torch.Tensor, mode: str, heads: int, bs: int, dim: int,
            dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 `[..., P]` back to layer slices `[..., 2, H, bs, D]` of `dtype`, on packed's device."""
-    lead = packed.shape[:-1]
-    flat = packed.reshape(-1, packed.shape[-1])
-    n, parts, at = flat.shape[0], {}, 0
-    for name, size in _parts(mode, heads, bs, dim):
-        parts[name] = flat[:, at:at + size]
-        at += size
-    if at != flat.shape[1]:
-        raise ValueError(f"compressed slice of {flat.shape[1]} bytes; {mode} with H={heads} bs={bs} D={dim} "
-                         f"packs {at}")
+    out = torch.empty(*packed.shape[:-1], 2, heads, bs, dim, dtype=dtype, device=packed.device)
+    decode_into(packed, mode, out)
+    return out
 
-    def halves(name: str, shape: tuple) -> torch.Tensor:
-        return parts[name].contiguous().view(_SCALE_DTYPE).float().reshape(n, *shape)
 
-    if mode == "int4":
-        def unpack(codes: torch.Tensor) -> torch.Tensor:
-            codes = codes.reshape(n, heads, bs, dim // 2)
-            return torch.stack((codes & 15, codes >> 4), dim=-1).reshape(n, heads, bs, dim).float()
-        keys = unpack(parts["k"]) * halves("k_scale", (heads, 1, dim)) + halves("k_zero", (heads, 1, dim))
-        values = unpack(parts["v"]) * halves("v_scale", (heads, bs, 1)) + halves("v_zero", (heads, bs, 1))
-    else:
-        code_dtype = torch.float8_e4m3fn if mode == "fp8" else torch.int8
+def _native_decode(packed: torch.Tensor, mode: str, out: torch.Tensor) -> bool:
+    """Decode on the GPU with native/dequant_blocks.cu when the kernels run here and the tensors
+    fit its contract (`[n, L, P]` into `[n, L, 2, H, bs, D]`, or one layer: `[n, P]` into
+    `[n, 2, H, bs, D]`); False: the torch path runs."""
+    from ..kernels import get_ops
 
-        def codes(name: str) -> torch.Tensor:
-            return parts[name].contiguous().view(code_dtype).reshape(n, heads, bs, dim).float()
-        keys = codes("k") * halves("k_scale", (heads, 1, dim))
-        values = codes("v") * halves("v_scale", (heads, bs, 1))
-    return torch.stack((keys, values), dim=1).to(dtype).reshape(*lead, 2, heads, bs, dim)
+    ops = get_ops()
+    if ops.backend != "cuda":
+        return False
+    if out.dim() == 5 and packed.dim() == 2:
+        out, packed = out.unsqueeze(1), packed.unsqueeze(1)
+    if out.dim() != 6 or packed.dim() != 3 or packed.shape[:2] != out.shape[:2] or packed.data_ptr() % 2 \
+            or packed.stride(0) % 2 or packed.stride(1) % 2 or packed.stride(2) != 1 \
+            or out.dtype not in (torch.float32, torch.float16, torch.bfloat16) \
+            or not (packed.device == out.device or (packed.device.type == "cpu" and packed.is_pinned())):
+        return False
+    ops.dequant_blocks(out, packed, None, mode)
+    return True
 
 
 def model_dtype(dtype_name: str) -> torch.dtype:
@@ -148,9 +269,13 @@ def error_bound(x: torch.Tensor, mode: str) -> torch.Tensor:
         def bound(t, dim):
             return t.abs().amax(dim=dim, keepdim=True) * (0.51 / INT8_MAX + 2 ** -10) + 1e-6
     elif mode == "fp8":
-        def bound(t, dim):
-            amax = t.abs().amax(dim=dim, keepdim=True)
-            return t.abs() * (2 ** -4 + 2 ** -10) + amax / FP8_MAX * 2 ** -9 + 1e-6
+        def bound(t, dim, centred=False):
+            zero = (t.amin(dim=dim, keepdim=True) + t.amax(dim=dim, keepdim=True)) / 2 if centred else 0
+            residual = (t - zero).abs()
+            amax = residual.amax(dim=dim, keepdim=True)
+            return residual * (2 ** -4 + 2 ** -10) + amax / FP8_MAX * 2 ** -9 + amax * 2 ** -9 + 1e-6
+        return torch.stack((bound(keys, -2, centred=True).expand_as(keys), bound(values, -1).expand_as(values)),
+                           dim=-4)
     else:
         return torch.zeros_like(x)
     return torch.stack((bound(keys, -2).expand_as(keys), bound(values, -1).expand_as(values)), dim=-4)

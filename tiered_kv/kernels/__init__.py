@@ -1,10 +1,12 @@
-"""Native ops over tiered KV blocks: paged-attention decode, LSE merge, block gather/scatter.
+"""Native ops over tiered KV blocks: paged-attention decode, LSE merge, block gather/scatter,
+dequantization of compressed blocks.
 
     from tiered_kv.kernels import ops
     out, lse = ops.paged_decode(query, sources, block_table, tier_tags, start_offsets, seq_lens, scale)
     out, lse = ops.merge_states(out_a, lse_a, out_b, lse_b)
     ops.gather_blocks(dst, src, slots)     # dst[i] = src[slots[i]]
     ops.scatter_blocks(dst, src, slots)    # dst[slots[i]] = src[i]
+    ops.dequant_blocks(dst, packed, slots, "int8")  # dst[slots[i]] = decode(packed[i]) (or dst[i])
     ops.backend                            # "cuda" (cupy + native/*.cu) or "torch" (reference.py)
     ops.fallback_reason                    # why "torch", or None
 

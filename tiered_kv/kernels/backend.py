@@ -24,7 +24,7 @@ FORCE_ENV = "TIERED_KV_KERNELS"
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The four native ops of one backend; `backend` is "cuda" or "torch"."""
+    """The native ops of one backend; `backend` is "cuda" or "torch"."""
 
     backend: str
     fallback_reason: str | None
@@ -32,11 +32,12 @@ class KernelOps:
     merge_states: Callable
     gather_blocks: Callable
     scatter_blocks: Callable
+    dequant_blocks: Callable
 
 
 def torch_ops(reason: str | None) -> KernelOps:
     return KernelOps("torch", reason, reference.paged_decode, reference.merge_states,
-                     reference.gather_blocks, reference.scatter_blocks)
+                     reference.gather_blocks, reference.scatter_blocks, reference.dequant_blocks)
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -68,7 +69,8 @@ def choose_ops() -> KernelOps:
     from . import cuda
 
     log.info("kernels: CUDA ops (cupy RawModule, native/*.cu)")
-    return KernelOps("cuda", None, cuda.paged_decode, cuda.merge_states, cuda.gather_blocks, cuda.scatter_blocks)
+    return KernelOps("cuda", None, cuda.paged_decode, cuda.merge_states, cuda.gather_blocks, cuda.scatter_blocks,
+                     cuda.dequant_blocks)
 
 
 _chosen: KernelOps | None = None

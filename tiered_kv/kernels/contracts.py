@@ -212,6 +212,50 @@ def check_block_copy(op: str, dst, src, slots, *, require_cuda: bool = False) ->
     return device
 
 
+DEQUANT_MODES = {"fp8": 0, "int8": 1, "int4": 2}  # TKV_DEQUANT_* in native/tiered_kv_ops.h
+
+
+def check_dequant(dst, src, slots, mode: str, *, require_cuda: bool = False) -> torch.device:
+    """Checks one dequant_blocks call; returns the device it runs on (dst's).
+
+    dst: float32/float16/bfloat16 [N, L, 2, H, bs, D] with D stride 1; src: uint8 [n, L, P] with P
+    stride 1, P the packed slice bytes of `mode` for (H, bs, D), 2-byte aligned (its address and
+    strides even), on dst's device or pinned host memory; slots: None (dst[i] for i < n, so N >= n)
+    or int32 [n] contiguous on dst's device.
+    """
+    from ..compression import packed_layer_bytes
+
+    op = "dequant_blocks"
+    if mode not in DEQUANT_MODES:
+        raise LayoutError(f"{op}: `mode` must be one of {', '.join(map(repr, DEQUANT_MODES))}; got {mode!r}")
+    if not isinstance(dst, torch.Tensor) or dst.dim() != 6 or dst.dtype not in FLOAT_DTYPES or \
+            (dst.shape[-1] > 1 and dst.stride(-1) != 1):
+        raise _fail(op, "dst", "float32, float16 or bfloat16 [N, L, 2, H, block_size, D] with D stride 1", dst)
+    device = _home_device(op, "dst", dst, require_cuda)
+    _, layers, two, heads, block_size, head_dim = dst.shape
+    if two != 2:
+        raise _fail(op, "dst", "[N, L, 2, H, block_size, D] (K and V on its third dim)", dst)
+    if mode == "int4" and head_dim % 2:
+        raise _fail(op, "dst", "an even D for int4 (two codes per byte)", dst)
+    packed = packed_layer_bytes(heads, block_size, head_dim, mode)
+    where = f"on {device}" + (" or pinned host memory" if device.type == "cuda" else "")
+    expected = f"uint8 [n, {layers}, {packed}] ({mode} slices of H={heads} bs={block_size} D={head_dim}) with " \
+               f"byte stride 1, an even address and even strides, {where}"
+    ok = isinstance(src, torch.Tensor) and src.dtype == torch.uint8 and src.dim() == 3
+    ok = ok and tuple(src.shape[1:]) == (layers, packed) and (packed <= 1 or src.stride(2) == 1)
+    ok = ok and src.data_ptr() % 2 == 0 and src.stride(0) % 2 == 0 and src.stride(1) % 2 == 0
+    if not ok or not _on_device_or_pinned(src, device):
+        raise _fail(op, "src", expected, src)
+    if slots is None:
+        if dst.shape[0] < src.shape[0]:
+            raise _fail(op, "dst", f"at least n = {src.shape[0]} slots (no `slots` list: dst[i] = decode(src[i]))", dst)
+    else:
+        _check_index(op, "slots", slots, (src.shape[0],), f"[{src.shape[0]}]", device)
+    if dst.shape[0] > _INT32_MAX:
+        raise _fail(op, "dst", f"at most {_INT32_MAX} slots", dst)
+    return device
+
+
 def copy_vector_bytes(row_bytes: int, *addresses_and_strides: int) -> int:
     """The widest copy unit (16, 8, 4, 2 or 1 bytes) dividing the row and every address/stride."""
     for width in (16, 8, 4, 2):

@@ -29,6 +29,7 @@ DEFAULT_SM_COUNT = 132  # when the device cannot be asked (recording tests on CP
 DECODE_PARTITION_TOKENS: int | None = None
 MERGE_THREADS = 128  # TKV_MERGE_THREADS
 COPY_THREADS = 128  # TKV_COPY_THREADS
+DEQUANT_THREADS = 128  # TKV_DEQUANT_THREADS
 COMPILE_OPTIONS = ("-std=c++17",)
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _compile_lock = threading.Lock()
@@ -291,3 +292,21 @@ def _block_copy(op: str, dst: torch.Tensor, src: torch.Tensor, slots: torch.Tens
         _i32(block_size), _i32(row_bytes), _i32(vec),
     )
     _launch(f"{op}.cu", op, (count, heads, 1), (COPY_THREADS, 1, 1), args, device)
+
+
+def dequant_blocks(dst: torch.Tensor, src: torch.Tensor, slots, mode: str) -> None:
+    """dst[slots[i]] (or dst[i]) = decode(src[i]); same contract as reference.dequant_blocks. One
+    launch, grid (n, L, 2 * H); src may be pinned host memory (a compressed warm slab, read through UVA)."""
+    if not _takes_cuda_path(dst, src):
+        return reference.dequant_blocks(dst, src, slots, mode)
+    device = contracts.check_dequant(dst, src, slots, mode, require_cuda=_REQUIRE_CUDA)
+    count, layers, _, heads, block_size, head_dim = src.shape[0], *dst.shape[1:]
+    if count == 0 or layers == 0 or heads == 0 or block_size == 0 or head_dim == 0:
+        return
+    args = (
+        _ptr(dst), *map(_i64, dst.stride()[:5]), _i32(dst.shape[0]), _ptr(src), _i64(src.stride(0)),
+        _i64(src.stride(1)), _ptr(slots), _i32(heads), _i32(block_size), _i32(head_dim),
+        _i32(contracts.DEQUANT_MODES[mode]),
+    )
+    _launch("dequant_blocks.cu", f"dequant_blocks_{_DTYPE_SUFFIX[dst.dtype]}", (count, layers, 2 * heads),
+            (DEQUANT_THREADS, 1, 1), args, device)

@@ -45,7 +45,8 @@ def selfcheck(device="cuda", dtypes=DTYPES, block_sizes=BLOCK_SIZES, tier_mixes=
     ops = get_ops()
     device = torch.device(device)
     report: dict = {"backend": ops.backend, "fallback_reason": ops.fallback_reason,
-                    "paged_decode": {}, "merge_states": {}, "gather_blocks": {}, "scatter_blocks": {}}
+                    "paged_decode": {}, "merge_states": {}, "gather_blocks": {}, "scatter_blocks": {},
+                    "dequant_blocks": {}}
     for dtype in dtypes:
         for block_size in block_sizes:
             for tiers in tier_mixes:
@@ -65,6 +66,7 @@ def selfcheck(device="cuda", dtypes=DTYPES, block_sizes=BLOCK_SIZES, tier_mixes=
             report["paged_decode"][f"{_name(dtype)}/bs{block_size}/{'+'.join(tiers)}/split{split_tokens}"] = {
                 "out": max_abs_error(out, want_out), "lse": max_abs_error(lse, want_lse)}
         _check_merge(report, ops, dtype, head_dim, device, seed)
+        _check_dequant(report, ops, dtype, block_sizes[0], head_dim, device, seed)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report["seconds"] = time.perf_counter() - started
@@ -102,3 +104,22 @@ def _check_copies(report: dict, ops, dtype, block_size: int, head_dim: int, devi
         ops.scatter_blocks(got_slab, staging, slots)
         reference.scatter_blocks(want_slab, staging, slots)
         report["scatter_blocks"][key] = max_abs_error(got_slab, want_slab)
+
+
+def _check_dequant(report: dict, ops, dtype, block_size: int, head_dim: int, device, seed: int) -> None:
+    """Each compression mode's packed blocks expanded into a hot slab's slots, against the reference
+    (both compute the same float32 products, so the error should be exactly 0)."""
+    from ..compression import MODES, codec
+
+    gen = torch.Generator().manual_seed(seed)
+    num_slots, count, layers, heads = 9, 4, 2, 2
+    slots = torch.randperm(num_slots, generator=gen)[:count].to(torch.int32).to(device)
+    for mode in MODES[1:]:
+        packed = codec.encode(torch.randn(count, layers, 2, heads, block_size, head_dim, generator=gen) * 4, mode)
+        results = []
+        for run in (ops.dequant_blocks, reference.dequant_blocks):
+            slab = torch.zeros(layers, 2, heads, num_slots * block_size, head_dim, dtype=dtype, device=device)
+            view = slab.view(layers, 2, heads, num_slots, block_size, head_dim).permute(3, 0, 1, 2, 4, 5)
+            run(view, packed.to(device), slots, mode)
+            results.append(slab)
+        report["dequant_blocks"][f"{_name(dtype)}/bs{block_size}/{mode}"] = max_abs_error(*results)

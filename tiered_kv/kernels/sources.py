@@ -26,6 +26,8 @@ KERNEL_FILES = {
     "merge_states.cu": ("merge_states_f32", "merge_states_f16", "merge_states_bf16"),
     "gather_blocks.cu": ("gather_blocks",),
     "scatter_blocks.cu": ("scatter_blocks",),
+    # compressed lower tiers: packed blocks expanded into the model's dtype where they land
+    "dequant_blocks.cu": ("dequant_blocks_f32", "dequant_blocks_f16", "dequant_blocks_bf16"),
 }
 
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)

@@ -25,7 +25,7 @@ from ..blocks import COLD
 from ..errors import CorruptBlockError
 from ..hw.block_copy import BlockCopier
 from ..hw.copy_engine import CopyEvent
-from ..tiers.compressed import is_compressed
+from ..tiers.compressed import decode_runs, is_compressed, same_packing
 
 MOVE, COPY, READ_OUT, WRITE_IN = "move", "copy", "read_out", "write_in"
 BACKUP = "backup"  # a durable copy into cold of a block that stays where it is (write_behind.py)
@@ -85,10 +85,14 @@ def run(tiers: list, transfers: list, staging: Staging, engine, metrics) -> None
 
 
 def _through_codec(tiers: list, group: list, src_tier: int, dst_tier: int) -> None:
+    """Between hot and a compressed warm tier: decoded straight into the destination's slots, or
+    encoded on the source's device."""
     src, dst = tiers[src_tier], tiers[dst_tier]
-    slots = [t.src_slot for t in group]
-    data = src.read_blocks(slots, device=getattr(dst, "device", None)) if is_compressed(src) else src.read_blocks(slots)
-    dst.write_blocks([t.dst_slot for t in group], data)
+    slots, dst_slots = [t.src_slot for t in group], [t.dst_slot for t in group]
+    if is_compressed(src):
+        src.read_blocks_into(slots, dst.slots_view(), dst_slots)
+    else:
+        dst.write_blocks(dst_slots, src.read_blocks(slots))
 
 
 def _gather(tiers: list, src_tier: int, slots: list[int], buffer, staging: Staging) -> None:
@@ -97,6 +101,14 @@ def _gather(tiers: list, src_tier: int, slots: list[int], buffer, staging: Stagi
         buffer.copy_(tiers[src_tier].read_blocks(slots))
     else:
         staging.copier.copy(buffer, range(len(slots)), tiers[src_tier].slots_view(), slots)
+
+
+def _packed_staging(buffer: torch.Tensor, layout) -> torch.Tensor:
+    """The host staging `buffer` `[C, L, 2, H, bs, D]` seen as C packed blocks `[C, L, P]` (a
+    packed block is smaller than the model's, so C of them fit in its bytes)."""
+    flat = buffer.view(-1).view(torch.uint8)
+    count = buffer.shape[0]
+    return flat[:count * layout.block_bytes].view(count, layout.num_layers, layout.layer_bytes)
 
 
 def _read_out(tiers: list, group: list, engine) -> None:
@@ -113,14 +125,19 @@ def _read_out(tiers: list, group: list, engine) -> None:
 
 def _into_cold(tiers: list, group: list, src_tier: int, staging: Staging, engine) -> None:
     """Chunks of blocks into host staging (a D2H through device staging on CUDA), then one pwritev
-    per record. A failed write (ColdWriteError) raises: the batch fails, nothing moved."""
+    per record; packed bytes of a warm tier packed as cold is go as they are. A failed write
+    (ColdWriteError) raises: the batch fails, nothing moved."""
     chunk_blocks = staging.host.shape[0]
+    src, cold = tiers[src_tier], tiers[COLD]
     for start in range(0, len(group), chunk_blocks):
         chunk = group[start:start + chunk_blocks]
+        if same_packing(src, cold):
+            cold.write_packed([t.dst_slot for t in chunk], src.read_packed([t.src_slot for t in chunk]))
+            continue
         buffer = staging.host[:len(chunk)]
         _gather(tiers, src_tier, [t.src_slot for t in chunk], buffer, staging)
         engine.host_wait()  # pwritev reads the host buffer now
-        tiers[COLD].write_blocks([t.dst_slot for t in chunk], buffer)
+        cold.write_blocks([t.dst_slot for t in chunk], buffer)
 
 
 def _out_of_cold(tiers: list, group: list, dst_tier: int, staging: Staging, engine, metrics) -> None:
@@ -133,15 +150,24 @@ def _out_of_cold(tiers: list, group: list, dst_tier: int, staging: Staging, engi
     buffers = [staging.host[h * chunk_blocks:(h + 1) * chunk_blocks] for h in range(halves)]
     cold = tiers[COLD]
 
+    dst = tiers[dst_tier]
+    packed = is_compressed(cold)  # records read as packed bytes: decoded (or kept packed) on the way in
+    if packed:
+        buffers = [_packed_staging(b, cold.layout) for b in buffers]
+        read_into = cold.read_packed
+    else:
+        def read_into(slots, out):
+            cold.read_blocks(slots, out=out)
+
     def read(k: int) -> None:
         buffer = buffers[k % halves][:len(chunks[k])]
         start = metrics.read_seconds.start()
         try:
-            cold.read_blocks([t.src_slot for t in chunks[k]], out=buffer)
+            read_into([t.src_slot for t in chunks[k]], buffer)
         except CorruptBlockError:  # find the bad ones; the good ones still move
             for i, t in enumerate(chunks[k]):
                 try:
-                    cold.read_blocks([t.src_slot], out=buffer[i:i + 1])
+                    read_into([t.src_slot], buffer[i:i + 1])
                 except CorruptBlockError:
                     t.corrupt = True
         metrics.read_seconds.stop(("cold",), start)
@@ -158,7 +184,15 @@ def _out_of_cold(tiers: list, group: list, dst_tier: int, staging: Staging, engi
             good = [i for i, t in enumerate(chunk) if not t.corrupt]
             if good:
                 data = buffer if len(good) == len(chunk) else buffer[good]
-                tiers[dst_tier].write_blocks([chunk[i].dst_slot for i in good], data)
+                dst_slots = [chunk[i].dst_slot for i in good]
+                if not packed:
+                    dst.write_blocks(dst_slots, data)
+                elif same_packing(cold, dst):
+                    dst.write_packed(dst_slots, torch.as_tensor(data))
+                elif is_compressed(dst):  # another mode: through the model's dtype
+                    dst.write_blocks(dst_slots, cold.codec.decode(torch.as_tensor(data)))
+                else:
+                    decode_runs(cold.codec, torch.as_tensor(data), dst.slots_view(), dst_slots)
             engine.host_wait()  # the buffer is refilled next: its copy to the device must be done
             if reader is not None and k + halves < len(chunks):
                 pending[k + halves] = reader.submit(read, k + halves)

@@ -2,11 +2,16 @@
 interface as warm.py and cold.py, in the model's dtype at the edge, packed bytes inside.
 
 A block is stored as uint8 `[L, layer_bytes]`, each layer slice packed by compression/codec.py
-(int8, fp8 or int4 codes with float16 scales). `write_blocks` encodes, `read_blocks` decodes (on the
-device asked for, so a promotion to a GPU copies the packed bytes and decodes there); token reads
-decode only the blocks they touch, of one layer; a token write re-encodes the slices it changes
-(read-modify-write, as the cold tier's own slice writes do). `kernel_view` is None: a kernel reads
-these blocks through the gather path (decoded into its buffer), never in place.
+(int8, fp8 or int4 codes with float16 scales). `write_blocks` encodes; every read decodes straight
+into where the values are wanted (`codec.decode_into`): a step's token reads into its output or
+stream buffer, `read_blocks_into` into a slot-major view (the hot slab's slots on a promotion). A
+token write re-encodes the slices it changes (read-modify-write, as the cold tier's own slice
+writes do). `kernel_view` is None: the paged decode kernel reads these blocks through the gather
+path (decoded into its buffer), never in place.
+
+Between two tiers of the same compression the packed bytes move as they are (`read_packed` /
+`write_packed`): a block is quantized once, when it first goes down, and never again on its way
+between warm and cold.
 
 `CompressedColdTier` keeps everything of the cold tier (files, checksums over the packed bytes,
 durability, peers) and only converts at its edge; its records are format version 2, whose header
@@ -20,9 +25,12 @@ import torch
 
 from ..blocks import KVLayout
 from ..compression import codec
+from ..hw.block_copy import slot_runs
 from ..hw.memory import allocate_slab
-from .cold import ColdTier, _positions_and_offsets
+from .cold import ColdTier
 from .warm import WarmTier
+
+MAX_DECODE_RUNS = 4  # a layer read decodes run by run up to this many runs of consecutive slots, else gathers
 
 
 class _Codec:
@@ -39,10 +47,38 @@ class _Codec:
     def decode(self, packed: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return codec.decode(packed, self.mode, *self.shape, dtype or self.model_dtype)
 
+    def decode_into(self, packed: torch.Tensor, out: torch.Tensor) -> None:
+        codec.decode_into(packed, self.mode, out)
+
+    def decode_span(self, packed: torch.Tensor, first: int, count: int, out: torch.Tensor) -> None:
+        """Tokens [first, first + count) of the blocks `packed` `[n, P]` (one layer, in token order)
+        into `out` `[2, H, count, D]`: whole blocks straight in, a partial first or last block
+        through a one-block temporary."""
+        bs = self.shape[1]
+        n = packed.shape[0]
+        lo_block, hi_block = -(-first // bs), (first + count) // bs  # the whole blocks inside the span
+        if lo_block < hi_block:
+            span = out[:, :, lo_block * bs - first:hi_block * bs - first]
+            self.decode_into(packed[lo_block:hi_block], span.unflatten(2, (hi_block - lo_block, bs))
+                             .permute(2, 0, 1, 3, 4))
+        for block in {b for b in (first // bs, (first + count - 1) // bs) if b < n and not lo_block <= b < hi_block}:
+            whole = self.decode(packed[block:block + 1], out.dtype)[0]  # [2, H, bs, D]
+            lo, hi = max(first, block * bs), min(first + count, (block + 1) * bs)
+            out[:, :, lo - first:hi - first] = whole[:, :, lo - block * bs:hi - block * bs]
+
 
 def _gather_tokens(slices: torch.Tensor, blocks, offsets) -> torch.Tensor:
     """`[2, H, t, D]` of decoded slices `[n, 2, H, bs, D]` at (block, offset) per token."""
     return slices[torch.as_tensor(blocks), :, :, torch.as_tensor(offsets)].permute(1, 2, 0, 3)
+
+
+def decode_runs(tier_codec: _Codec, packed: torch.Tensor, dst_view: torch.Tensor, dst_slots: list[int]) -> None:
+    """Packed blocks `[n, L, P]` decoded into `dst_view[dst_slots[i]]` of a slot-major view
+    `[S, L, 2, H, bs, D]` (a hot slab's `slots_view()`, a records slab), one decode per run of
+    consecutive destination slots; the packed bytes go to the destination's device first."""
+    packed = packed.to(dst_view.device, non_blocking=True)
+    for d0, i0, length in slot_runs(dst_slots, range(len(dst_slots))):
+        tier_codec.decode_into(packed[i0:i0 + length], dst_view[d0:d0 + length])
 
 
 class CompressedWarmTier(WarmTier):
@@ -62,22 +98,45 @@ class CompressedWarmTier(WarmTier):
     def kernel_view(self, layer: int, device: torch.device):
         return None  # packed bytes: read through the gather path, decoded
 
+    def _slot_tensor(self, slots) -> torch.Tensor:
+        return torch.as_tensor(slots, dtype=torch.long)
+
+    def read_packed(self, slots: list[int]) -> torch.Tensor:
+        """The blocks' packed bytes `[n, L, layer_bytes]` (a copy)."""
+        return self.slab.index_select(0, self._slot_tensor(slots))
+
+    def write_packed(self, slots: list[int], packed: torch.Tensor) -> None:
+        """Blocks packed in this tier's mode (from another tier of the same layout), as they are."""
+        self.slab.index_copy_(0, self._slot_tensor(slots), packed.to("cpu"))
+
     def read_blocks(self, slots: list[int], device=None) -> torch.Tensor:
         """Whole blocks `[n, L, 2, H, bs, D]` in the model's dtype, decoded on `device` (default cpu)."""
-        packed = self.slab.index_select(0, torch.tensor(slots, dtype=torch.long))
+        packed = self.read_packed(slots)
         if device is not None and torch.device(device).type != "cpu":
             packed = packed.to(device, non_blocking=self.pinned)
         return self.codec.decode(packed, self.dtype)
 
+    def read_blocks_into(self, slots: list[int], dst_view: torch.Tensor, dst_slots: list[int]) -> None:
+        """Blocks decoded straight into `dst_view[dst_slots[i]]` (a slot-major view, e.g. hot's)."""
+        decode_runs(self.codec, self.read_packed(slots), dst_view, dst_slots)
+
     def write_blocks(self, slots: list[int], data: torch.Tensor) -> None:
         packed = self.codec.encode(data)  # on the data's device: a demotion from a GPU packs there
-        self.slab.index_copy_(0, torch.tensor(slots, dtype=torch.long), packed.to("cpu"))
+        self.slab.index_copy_(0, self._slot_tensor(slots), packed.to("cpu"))
 
     def block_view(self, slot: int) -> torch.Tensor:
         raise TypeError("a compressed warm tier has no block views: read_blocks decodes")
 
     def slots_view(self) -> torch.Tensor:
         raise TypeError("a compressed warm tier has no slot views: read_blocks decodes, write_blocks encodes")
+
+    def _packed_runs(self, layer: int, block_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """`(first block, [k, P] packed slices)` of one layer per run of consecutive slots (views of
+        the slab), or one gathered run when the slots are scattered."""
+        runs = slot_runs(range(len(block_slots)), block_slots.tolist())  # (first block, first slot, length)
+        if len(runs) > max(MAX_DECODE_RUNS, len(block_slots) // 4):
+            return [(0, self.slab[:, layer].index_select(0, block_slots))]
+        return [(b0, self.slab[s0:s0 + length, layer]) for b0, s0, length in runs]
 
     def _blocks_and_offsets(self, index):
         """(unique slots, each token's position among them, each token's offset) of a token_index."""
@@ -91,16 +150,26 @@ class CompressedWarmTier(WarmTier):
         return unique, positions, offsets
 
     def read_tokens(self, layer: int, index) -> torch.Tensor:
-        if index[0] == "blocks":
-            _, block_slots, first, count = index
-            slices = self.codec.decode(self.slab[:, layer].index_select(0, block_slots), self.dtype)
-            n, _, heads, bs, dim = slices.shape
-            return slices.permute(1, 2, 0, 3, 4).reshape(2, heads, n * bs, dim)[:, :, first:first + count]
-        slots, positions, offsets = self._blocks_and_offsets(index)
-        return _gather_tokens(self.codec.decode(self.slab[slots, layer], self.dtype), positions, offsets)
+        count = index[3] if index[0] == "blocks" else len(index[1])
+        out = torch.empty((2, self.layout.num_kv_heads, count, self.layout.head_dim), dtype=self.dtype)
+        self.read_tokens_into(layer, index, out)
+        return out
 
     def read_tokens_into(self, layer: int, index, out: torch.Tensor) -> None:
-        out.copy_(self.read_tokens(layer, index), non_blocking=True)
+        """Decoded straight into `out` (`[2, H, n, D]`, any strides; on a GPU the packed bytes go
+        there first and are decoded there)."""
+        if index[0] == "blocks":
+            _, block_slots, first, count = index
+            bs = self.layout.block_size
+            for b0, packed in self._packed_runs(layer, block_slots):
+                lo, hi = max(b0 * bs, first), min((b0 + len(packed)) * bs, first + count)  # this run's tokens
+                if lo < hi:
+                    self.codec.decode_span(packed.to(out.device, non_blocking=self.pinned), lo - b0 * bs, hi - lo,
+                                           out[:, :, lo - first:hi - first])
+            return
+        slots, positions, offsets = self._blocks_and_offsets(index)
+        slices = self.codec.decode(self.slab[slots, layer], out.dtype)
+        out.copy_(_gather_tokens(slices, positions, offsets), non_blocking=True)
 
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
         """Re-encode the slices these tokens change (their blocks' other tokens are decoded and kept)."""
@@ -119,23 +188,39 @@ class CompressedColdTier(ColdTier):
         super().__init__(layout, num_slots, directory, backend, fsync)
         self.codec = _Codec(layout)
 
-    def _packed(self, num_blocks: int) -> np.ndarray:
+    def packed_buffer(self, num_blocks: int) -> np.ndarray:
         return np.empty((num_blocks, self.layout.num_layers, self.layout.layer_bytes), dtype=np.uint8)
 
-    def read_blocks(self, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        packed = self._packed(len(slots))
+    def read_packed(self, slots: list[int], out=None) -> np.ndarray:
+        """The records' packed bytes `[n, L, layer_bytes]` (into `out`, a contiguous uint8 array or
+        CPU tensor, when given), every layer slice checked against its checksum (CorruptBlockError
+        naming the slot otherwise)."""
+        out = self.packed_buffer(len(slots)) if out is None else out
+        host = out.numpy() if isinstance(out, torch.Tensor) else out  # a view: reads land in `out`
         with self._guard:
-            self._read_blocks_into(slots, packed)  # every layer slice checked against its checksum
-        blocks = self.codec.decode(torch.from_numpy(packed))
+            self._read_blocks_into(slots, host)
+        return host
+
+    def write_packed(self, slots: list[int], packed) -> None:
+        """Records of blocks already packed in this tier's mode (a compressed warm tier's bytes)."""
+        host = np.ascontiguousarray(packed.numpy() if isinstance(packed, torch.Tensor) else packed)
+        with self._guard:
+            self._write_records(slots, host)
+
+    def read_blocks(self, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        packed = torch.from_numpy(self.read_packed(slots))
         if out is None:
-            return blocks
-        out.copy_(blocks)
+            return self.codec.decode(packed)
+        self.codec.decode_into(packed, out)
         return out
 
+    def read_blocks_into(self, slots: list[int], dst_view: torch.Tensor, dst_slots: list[int],
+                         packed_out: np.ndarray | None = None) -> None:
+        """Records decoded straight into `dst_view[dst_slots[i]]` (a slot-major view, e.g. hot's)."""
+        decode_runs(self.codec, torch.from_numpy(self.read_packed(slots, packed_out)), dst_view, dst_slots)
+
     def write_blocks(self, slots: list[int], data: torch.Tensor) -> None:
-        packed = np.ascontiguousarray(self.codec.encode(data).to("cpu").numpy())
-        with self._guard:
-            self._write_records(slots, packed)
+        self.write_packed(slots, self.codec.encode(data).to("cpu"))
 
     def read_tokens(self, layer: int, index) -> torch.Tensor:
         num_tokens, _ = index
@@ -150,15 +235,20 @@ class CompressedColdTier(ColdTier):
         with self._guard:
             for i, (slot, _) in enumerate(entries):
                 self._read_slice_locked(slot, layer, packed[i])  # checked; never an unwritten slice
-        slices = self.codec.decode(torch.from_numpy(packed), out.dtype)
-        positions, blocks, offsets = [], [], []
-        for i, (_, items) in enumerate(entries):
-            p, o = _positions_and_offsets(items)
-            positions += p
-            offsets += o
-            blocks += [i] * len(p)
-        tokens = _gather_tokens(slices, blocks, offsets)
-        out[:, :, torch.as_tensor(positions, device=out.device)] = tokens.to(out.device, non_blocking=True)
+        packed = torch.from_numpy(packed).to(out.device, non_blocking=True)
+        start = _span_start(entries, self.layout.block_size, out.shape[2])
+        if start is not None:  # the tokens run through the blocks in order: decoded straight into out
+            self.codec.decode_span(packed, start, out.shape[2], out)
+            return
+        slices = self.codec.decode(packed, out.dtype)
+        for i, (_, items) in enumerate(entries):  # per block: a slice of it, or its tokens picked
+            if isinstance(items, tuple):
+                position, offset, count = items
+                out[:, :, position:position + count] = slices[i][:, :, offset:offset + count]
+            else:
+                positions = torch.as_tensor([p for p, _ in items], device=out.device)
+                offsets = torch.as_tensor([o for _, o in items], device=out.device)
+                out[:, :, positions] = slices[i][:, :, offsets]
 
     def _token_values(self, kv: torch.Tensor):
         return kv.detach().to("cpu", torch.float32)
@@ -170,5 +260,26 @@ class CompressedColdTier(ColdTier):
         packed.copy_(self.codec.encode(slices.unsqueeze(0))[0])
 
 
+def _span_start(entries: list, block_size: int, num_tokens: int) -> int | None:
+    """The offset in its first block where a cold token index's tokens start, when they run through
+    its blocks in order (each block from where the last ended, every block but the first and last
+    whole, all `num_tokens` of them); else None."""
+    position = 0
+    for i, (_, items) in enumerate(entries):
+        if not isinstance(items, tuple):
+            return None
+        at, offset, count = items
+        last = i == len(entries) - 1
+        if at != position or (i and offset) or (not last and offset + count != block_size):
+            return None
+        position += count
+    return entries[0][1][1] if entries and position == num_tokens else None
+
+
 def is_compressed(tier) -> bool:
     return bool(getattr(tier, "compressed", False))
+
+
+def same_packing(src, dst) -> bool:
+    """Whether blocks move between the two tiers as packed bytes (both compressed, one layout)."""
+    return is_compressed(src) and is_compressed(dst) and src.layout == dst.layout

