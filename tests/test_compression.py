@@ -343,6 +343,10 @@ def test_blocks_moving_down_and_back_up_are_quantized_once(tmp_path, modes, engi
         store.promote([block_id])
         assert store.index.get(block_id).tier == 0
         back = read_block(store, block_id)
+        moved = store.stats()["bytes_moved"]  # a move carries the smaller of the two tiers' blocks
+        warm_bytes, cold_bytes = (LAYOUT.stored(m).block_bytes for m in modes)
+        assert moved["hot->warm"] == min(LAYOUT.block_bytes, warm_bytes)
+        assert moved["warm->cold"] == min(warm_bytes, cold_bytes) and moved["cold->hot"] == cold_bytes
         if warm_mode == cold_mode or "none" in modes:
             assert torch.equal(back, once)
         else:

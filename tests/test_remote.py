@@ -372,3 +372,47 @@ def test_a_hybrid_model_picks_its_conversation_up_from_the_server(tmp_path):
         assert torch.equal(greedy(model, out, bank, NEW_TOKENS), reference(model, out, NEW_TOKENS))
         assert bank.stats()["remote"]["hits"] > 0
         bank.close()
+
+
+def test_compressed_remote_values_are_smaller_reused_checked_and_never_read_as_another_mode(tmp_path, caplog):
+    """remote.compression int8 (issue 21): the values carry packed bytes (~1/4 of fp32 here) under keys
+    that name the compression, so a store of another mode never reads them; a second int8 store reuses
+    the conversation; a flipped byte of the packed bytes fails the checksum and is recomputed."""
+    import redis
+
+    model = tiny_model("llama")
+    ids = rand_ids(21, 41)
+
+    def compressed(path, **remote):
+        cfg = config(path, server.url, compression="int8", **remote)
+        cfg["warm"]["compression"] = "int8"
+        return cfg
+
+    with RedisServer(password=PASSWORD) as server:
+        out = first_chat(model, compressed(tmp_path / "a"), ids)
+        client = redis.Redis.from_url(server.url, password=PASSWORD)
+        keys = sorted(client.keys(b"tkv:*"))
+        stored_blocks = (out.shape[1] - 1) // BLOCK_SIZE
+        assert len(keys) == stored_blocks
+        layout = _layout(model)
+        assert all(client.strlen(k) == codec.value_bytes(layout.stored("int8")) < codec.value_bytes(layout)
+                   for k in keys)
+        plain = CacheBank(model, config(tmp_path / "b", server.url, write="off"))
+        assert plain.attach(out) == 0  # another mode's keys: nothing found, nothing misread
+        plain.close()
+        bank = CacheBank(model, compressed(tmp_path / "c", write="off"))
+        assert bank.attach(out) == stored_blocks * BLOCK_SIZE
+        assert torch.equal(greedy(model, out, bank, NEW_TOKENS), reference(model, out, NEW_TOKENS))
+        bank.close()
+        bank = CacheBank(model, compressed(tmp_path / "d", write="off"))
+        root = bank.fingerprint.root_key("float32")
+        chain = tiered_kv.identity.chain_keys(root, out[0].tolist(), BLOCK_SIZE, 0, stored_blocks)
+        victim = codec.remote_key("tkv:", bank.store.layout.stored("int8"), root, chain[2])
+        value = bytearray(client.get(victim))
+        value[-5] ^= 0x40  # a byte of the last layer's value scales
+        client.set(victim, bytes(value))
+        with caplog.at_level(logging.WARNING, logger="tiered_kv"):
+            assert bank.attach(out) == 2 * BLOCK_SIZE
+        assert bank.stats()["remote"]["misses"] == {"bad": 1}
+        assert torch.equal(greedy(model, out, bank, NEW_TOKENS), reference(model, out, NEW_TOKENS))
+        bank.close()

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Mapping
 
 import yaml
 
+from .compression import MODES
 from .errors import ConfigError
 
 __all__ = ["ALLOWED_BACKENDS", "ALLOWED_COPY_ENGINES", "ALLOWED_POLICIES", "BlockSizeAutoConfig", "ColdConfig",
@@ -38,7 +39,7 @@ ALLOWED_POLICIES = ("lru", "lfu", "fifo", "ali")
 ALLOWED_PINNED = ("auto", "true", "false")
 ALLOWED_WARM_LAYOUTS = ("auto", "records", "paged")
 ALLOWED_COPY_ENGINES = ("auto", "sync", "thread")
-ALLOWED_COMPRESSION = ("none", "fp8", "int8", "int4")  # warm/cold/remote.compression (compression/)
+ALLOWED_COMPRESSION = MODES  # warm/cold/remote.compression (compression/)
 MAX_COPY_DELAY_US = 1_000_000
 MAX_BLOCK_SIZE_TOKENS = 1024
 BLOCK_SIZE_AUTO = "auto"

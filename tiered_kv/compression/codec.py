@@ -70,12 +70,6 @@ def _put_halves(packed: torch.Tensor, part: tuple[int, int], values16: torch.Ten
     packed[..., part[0]:part[1]] = values16.contiguous().view(torch.uint8).reshape(*packed.shape[:-1], -1)
 
 
-def _halves(packed: torch.Tensor, part: tuple[int, int], shape: tuple[int, ...]) -> torch.Tensor:
-    """A float16 part as float32 `[..., *shape]` (scales and zeros: small, copied)."""
-    raw = packed[..., part[0]:part[1]].contiguous()
-    return raw.view(_SCALE_DTYPE).float().unflatten(-1, shape)
-
-
 def _low_high(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Minimum and maximum over `dim`, kept as size 1 (two reductions: aminmax is ~5x slower on CPU)."""
     return x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
@@ -189,19 +183,26 @@ def decode_torch(packed: torch.Tensor, mode: str, out: torch.Tensor) -> None:
     target = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
     keys, values = target[..., 0, :, :, :], target[..., 1, :, :, :]
     shape = (heads, bs, dim)
-    k_scale = _halves(packed, layout["k_scale"], (heads, 1, dim))
-    v_scale = _halves(packed, layout["v_scale"], (heads, bs, 1))
+    # every scale and zero sits after the codes: one float32 copy of them all, sliced per part
+    first_half = layout["k_scale"][0]
+    halves = packed[..., first_half:].contiguous().view(_SCALE_DTYPE).float()
+
+    def part(name: str, group: tuple[int, int, int]) -> torch.Tensor:
+        first, end = layout[name]
+        return halves[..., (first - first_half) // 2:(end - first_half) // 2].unflatten(-1, group)
+
+    k_scale, v_scale = part("k_scale", (heads, 1, dim)), part("v_scale", (heads, bs, 1))
     if mode == "fp8":
-        k_scale.mul_(_FP8_AS_HALF)
-        v_scale.mul_(_FP8_AS_HALF)
+        halves.mul_(_FP8_AS_HALF)  # the codes are read as value / 256 (zeros are scaled back below)
     _codes_into(packed, mode, "k", shape, keys)
-    keys.mul_(k_scale)
+    keys.mul_(k_scale)  # code * scale, rounded, then + zero: the same two roundings as the native kernel
+    if mode in KEY_ZERO_MODES:
+        zero = part("k_zero", (heads, 1, dim))
+        keys.add_(zero / _FP8_AS_HALF if mode == "fp8" else zero)
     _codes_into(packed, mode, "v", shape, values)
     values.mul_(v_scale)
-    if mode in KEY_ZERO_MODES:
-        keys.add_(_halves(packed, layout["k_zero"], (heads, 1, dim)))
     if mode in VALUE_ZERO_MODES:
-        values.add_(_halves(packed, layout["v_zero"], (heads, bs, 1)))
+        values.add_(part("v_zero", (heads, bs, 1)))
     if target is not out:
         out.copy_(target)
 
@@ -212,6 +213,16 @@ def decode(packed: torch.Tensor, mode: str, heads: int, bs: int, dim: int,
     out = torch.empty(*packed.shape[:-1], 2, heads, bs, dim, dtype=dtype, device=packed.device)
     decode_into(packed, mode, out)
     return out
+
+
+def reads_pinned_in_place(device) -> bool:
+    """Whether a decode into `device` reads packed bytes in pinned host memory where they lie (the
+    native kernel through UVA), so they need no copy to the device first."""
+    if torch.device(device).type != "cuda":
+        return False
+    from ..kernels import get_ops
+
+    return get_ops().backend == "cuda"
 
 
 def _native_decode(packed: torch.Tensor, mode: str, out: torch.Tensor) -> bool:

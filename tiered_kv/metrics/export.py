@@ -110,8 +110,10 @@ def _gauges(stores: list):
                 row = totals[TIER_NAMES[t]]
                 row[0] += pool.num_used
                 row[1] += pool.num_slots
-                row[2] += pool.num_used * layout.block_bytes
-                row[3] += pool.num_slots * layout.block_bytes
+                tier = store.tiers[t] if t < len(store.tiers) else None
+                block_bytes = tier.layout.block_bytes if tier is not None else layout.block_bytes  # as stored
+                row[2] += pool.num_used * block_bytes
+                row[3] += pool.num_slots * block_bytes
         link = max(link, float(store.link_monitor.saturation()))
         chats += len(store.access_log.chats)
     for name, (ub, cb, uB, cB) in totals.items():

@@ -169,7 +169,8 @@ class Mover:
             for t in batch.failed:
                 self._failed_until[t.block_id] = retry_at
         self.num_batches += 1
-        self.bytes_moved += len(batch.committed) * self.store.layout.block_bytes
+        moved = self.store.transfers.moved_block_bytes
+        self.bytes_moved += sum(moved(t.src_tier, t.dst_tier) for t in batch.committed)
         into_cold = any(t.dst_tier == COLD for t in batch.transfers)
         if isinstance(batch.failure, ColdWriteError) and into_cold:
             self._cold_retry_pending = True

@@ -203,7 +203,8 @@ class TierStore:
             tiers[COLD].metrics = self.metrics  # its durable writer times its writes and counts failures
             self.state.copies = DurableCopies(self.config.cold.admit)
         self.state.bind(tiers, pools)
-        self.transfers = Transfers(self.state, self.copy_engine, self.metrics, self.link_monitor, layout.block_bytes,
+        tier_block_bytes = [stored.block_bytes for stored in building.stored_layouts(self.config, layout)]
+        self.transfers = Transfers(self.state, self.copy_engine, self.metrics, self.link_monitor, tier_block_bytes,
                                    staging)
         self.demand = DemandMoves(self.lock, self.state, self.transfers)
         self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.metrics)

@@ -46,12 +46,15 @@ RUNS_FROM_BLOCKS = 8  # a batch of this many moves into warm takes its slots in 
 
 
 class Transfers:
-    def __init__(self, state: StoreState, engine, metrics: Metrics, link_monitor, block_bytes: int, staging: dict):
+    def __init__(self, state: StoreState, engine, metrics: Metrics, link_monitor, tier_block_bytes: list[int],
+                 staging: dict):
         self.state = state
         self.engine = engine
         self.metrics = metrics
         self.link_monitor = link_monitor
-        self.block_bytes = block_bytes
+        # bytes of one block as each tier stores it: a move between two tiers carries the smaller
+        # (a compressed tier's blocks cross as packed bytes, expanded or packed on the other side)
+        self.tier_block_bytes = tier_block_bytes
         self.staging = staging  # mode -> copies.Staging (host staging, device staging, reader)
         self._failure_warnings = Throttle(log)
         self.closed = False  # after close(): nothing is prepared any more
@@ -248,13 +251,19 @@ class Transfers:
         for tier, slots in given_back.items():
             state.free_slots_after(tier, slots, after=event)
         for (src, dst), count in landed.items():
-            self._count_bytes(src, dst, count * self.block_bytes, batch.mode)
+            self._count_bytes(src, dst, count * self.moved_block_bytes(src, dst), batch.mode)
         self._observe_copy_seconds(batch, landed)
         if isinstance(error, ColdWriteError):
             failures.drop_cached_that_failed_into_cold(state, batch)
         if error is not None and batch.failed:
             failures.report(self.metrics, self._failure_warnings, batch, error)
         state.changes.bump()
+
+    def moved_block_bytes(self, src: int, dst: int) -> int:
+        """Bytes one block's move from tier `src` to tier `dst` carries (0 for an eviction)."""
+        if not (0 <= src < len(self.tier_block_bytes) and 0 <= dst < len(self.tier_block_bytes)):
+            return 0
+        return min(self.tier_block_bytes[src], self.tier_block_bytes[dst])
 
     def _complete_fill(self, t: Transfer, batch: TransferBatch, error, landed: dict) -> None:
         """A copy-on-write or write-in: the new block is at its destination already."""

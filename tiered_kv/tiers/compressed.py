@@ -130,6 +130,13 @@ class CompressedWarmTier(WarmTier):
     def slots_view(self) -> torch.Tensor:
         raise TypeError("a compressed warm tier has no slot views: read_blocks decodes, write_blocks encodes")
 
+    def _for_device(self, packed: torch.Tensor, device) -> torch.Tensor:
+        """Packed slab bytes where a decode into `device` reads them: in place from a pinned slab
+        when the native kernel reads it through UVA, else copied there."""
+        if self.pinned and codec.reads_pinned_in_place(device):
+            return packed
+        return packed.to(device, non_blocking=self.pinned)
+
     def _packed_runs(self, layer: int, block_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """`(first block, [k, P] packed slices)` of one layer per run of consecutive slots (views of
         the slab), or one gathered run when the slots are scattered."""
@@ -164,7 +171,7 @@ class CompressedWarmTier(WarmTier):
             for b0, packed in self._packed_runs(layer, block_slots):
                 lo, hi = max(b0 * bs, first), min((b0 + len(packed)) * bs, first + count)  # this run's tokens
                 if lo < hi:
-                    self.codec.decode_span(packed.to(out.device, non_blocking=self.pinned), lo - b0 * bs, hi - lo,
+                    self.codec.decode_span(self._for_device(packed, out.device), lo - b0 * bs, hi - lo,
                                            out[:, :, lo - first:hi - first])
             return
         slots, positions, offsets = self._blocks_and_offsets(index)
