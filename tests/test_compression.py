@@ -375,3 +375,31 @@ def test_same_mode_moves_to_and_from_cold_carry_the_packed_bytes(tmp_path, monke
         assert calls == ["decode_into"]
     finally:
         store.close()
+
+
+def test_a_second_store_on_the_same_compressed_cold_path_reads_the_first_ones_records(tmp_path):
+    """Peers (issue 19) with compressed records: store B, open beside A on one int8 cold path,
+    reattaches A's durable conversation from A's block file (checked packed bytes, decoded), and the
+    tokens after it equal DynamicCache's."""
+    model = tiny_model("llama")
+    config = compressed_config("forces_cold", tmp_path, "int8")
+    config["cold"]["write_behind_s"] = 0.05
+    first = tiered_kv.TierStore(config)
+    second = None
+    try:
+        bank = tiered_kv.CacheBank(model, store=first)
+        ids = rand_ids(31, 29)
+        out = greedy(model, ids, bank, 4)
+        assert first.flush()
+        second = tiered_kv.TierStore(config)
+        other = tiered_kv.CacheBank(model, store=second)
+        follow = torch.cat([out, rand_ids(32, 3)], 1)
+        assert other.attach(follow) == (out.shape[1] - 1) // 4 * 4
+        assert other.stats()["durability"]["peer_hits"] > 0
+        assert torch.equal(greedy(model, follow, other, 4), greedy(model, follow, DynamicCache(config=model.config), 4))
+        other.close()
+        bank.close()
+    finally:
+        first.close()
+        if second is not None:
+            second.close()

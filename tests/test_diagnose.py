@@ -88,6 +88,26 @@ def test_kv_figures_match_the_layout_arithmetic(kind, model, tmp_path):
     assert kv.reserved_bytes == sum(t.reserved_bytes for t in kv.tiers.values())
 
 
+def test_compressed_tiers_report_their_own_bytes_per_block(model, tmp_path):
+    """Issue 21: warm int8 and cold int4 store a block in the bytes worked out here (codes, and
+    float16 scales: per channel for keys, per token for values; int4 also zeros), report them per
+    tier, and reserve capacity x those bytes; hot keeps the model's."""
+    cfg = tier_config("forces_cold", tmp_path / "cold")
+    cfg["warm"].update(compression="int8", layout="records")
+    cfg["cold"]["compression"] = "int4"
+    report = diagnose(model, None, cfg, prompt_tokens=PROMPT_TOKENS, new_tokens=NEW_TOKENS)
+    c = model.config
+    heads, dim, layers = c.num_key_value_heads, c.hidden_size // c.num_attention_heads, c.num_hidden_layers
+    int8 = layers * (2 * heads * BLOCK_SIZE * dim + 2 * heads * (dim + BLOCK_SIZE))
+    int4 = layers * (heads * BLOCK_SIZE * dim + 2 * 2 * heads * (dim + BLOCK_SIZE))
+    tiers = report.kv.tiers
+    assert (tiers["hot"].block_bytes, tiers["hot"].compression) == (block_bytes_by_hand(model), "none")
+    assert (tiers["warm"].block_bytes, tiers["warm"].compression) == (int8, "int8")
+    assert (tiers["cold"].block_bytes, tiers["cold"].compression) == (int4, "int4")
+    assert tiers["warm"].reserved_bytes == cfg["warm"]["capacity_blocks"] * int8
+    assert "B/block (compression)" in report_text(report) and f"{int4:,} (int4)" in report_text(report)
+
+
 def test_weights_are_the_parameter_bytes_with_a_tied_tensor_once(tmp_path):
     torch.manual_seed(0)
     tied = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,

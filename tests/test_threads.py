@@ -137,13 +137,16 @@ def _run_threaded(store, chats: list[Chat], form: str, seed: int, prefetch: bool
 
 
 def _stress(form: str, seed: int, tmp_path, scheduler: dict | None = None, prefetch: bool = False,
-            engine: str = "auto", delay_us: int = 0, models: tuple = ()):
+            engine: str = "auto", delay_us: int = 0, models: tuple = (), compression: str = "none"):
     model = tiny_model("llama")  # one model instance serves every chat, like a server
     chats = _chats(seed)
     for i, chat in enumerate(chats):  # with `models`, chats alternate between models of one KV shape
         chat.model = ([model, *models])[i % (1 + len(models))]
     expected = [_reference(chat.model, chat) for chat in chats]  # single-threaded, before
     config = _squeezed_config(tmp_path, engine, delay_us)
+    if compression != "none":  # warm and cold packed alike: blocks cross between them as they are
+        config["warm"].update(compression=compression, layout="records")
+        config["cold"]["compression"] = compression
     if scheduler is not None:
         config["scheduler"] = scheduler
         # watermarks low enough that the mover demotes in the background all the time
@@ -191,6 +194,16 @@ def test_many_chats_from_many_threads_with_copies_held_back(seed, delay_us, tmp_
     _stress("model", seed, tmp_path, scheduler={"policy": "lru", "ali_window": 8, "idle_steps": 6,
                                                 "mover_interval_s": 0.001}, prefetch=True,
             engine="thread", delay_us=delay_us, models=(same_shape_model(tiny_model("llama"), 99),))
+
+
+@pytest.mark.parametrize("engine", ("auto", "thread"))
+def test_many_chats_from_many_threads_through_compressed_warm_and_cold(engine, tmp_path):
+    """Issue 21: the same with warm and cold int8 (packed blocks between them, decoded into hot and
+    into each step's reads), the mover on; int8 keeps this model's greedy tokens equal to
+    DynamicCache's (tests/test_compression.py), so every chat must still match its reference."""
+    _stress("model", 1, tmp_path, scheduler={"policy": "lru", "ali_window": 8, "idle_steps": 6,
+                                             "mover_interval_s": 0.001}, prefetch=True,
+            engine=engine, delay_us=300 if engine == "thread" else 0, compression="int8")
 
 
 @pytest.mark.parametrize("seed", SEEDS[:3])
