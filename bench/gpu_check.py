@@ -18,6 +18,9 @@ hang or a poisoned CUDA context in one cannot take the others down):
           same bytes, interleaved round by round; store host time per block
   cold    cold reads: kvikio (GPUDirect Storage or its compat mode) beside preadv + copy, raw
           and through the cold tier (TierStore demote to cold, then promote)
+  compressed  issue 21: native/dequant_blocks.cu against the torch codec on the device (bit for
+          bit, GB/s of model-dtype bytes out; packed bytes in device memory and in pinned host
+          memory read through UVA), and hot<->warm moves with warm int8 beside warm none
   pytest  a few test files on this machine (where they fit in the time left)
 A failing part records its error and traceback in the JSON and the run goes on. The JSON is
 rewritten after every section (and sections save as they go), so a run killed at its limit
@@ -45,11 +48,11 @@ import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("env", "kernels", "decode", "warm", "cold", "pytest")
+SECTIONS = ("env", "kernels", "decode", "warm", "cold", "compressed", "pytest")
 # hard limit per section (the child is killed past it), seconds; they add up to less than the
 # default budget, and shrink in proportion under a smaller --budget-s
-LIMITS_S = {"env": 30, "kernels": 30, "decode": 120, "warm": 28, "cold": 35, "pytest": 37}
-QUICK_LIMITS_S = {"env": 30, "kernels": 30, "decode": 60, "warm": 30, "cold": 30, "pytest": 40}
+LIMITS_S = {"env": 30, "kernels": 30, "decode": 110, "warm": 28, "cold": 33, "compressed": 20, "pytest": 28}
+QUICK_LIMITS_S = {"env": 30, "kernels": 30, "decode": 60, "warm": 30, "cold": 30, "compressed": 30, "pytest": 40}
 SOFT_MARGIN_S = 12  # a section stops starting new parts this long before its hard limit (at most 30% of it)
 ORCHESTRATOR_RESERVE_S = 3  # per section: starting it, killing it at its limit, reading its JSON
 TOTAL_BUDGET_S = 300
@@ -67,11 +70,12 @@ SIZES = {  # per mode: what each section moves
     # decode_rounds timed rounds after the warm-up chunk; warm: warm_blocks moved each way per round
     "full": dict(shape=SMOLLM2_SHAPE, contexts=(4096, 32768), decode_steps=16, long_decode_steps=8,
                  long_context=8192, decode_rounds=5, block_size=16, warm_blocks=2000, warm_rounds=5,
-                 cold_raw_bytes=1 << 29, cold_tier_bytes=1 << 28, pytest=("tests/test_kernels.py",
+                 cold_raw_bytes=1 << 29, cold_tier_bytes=1 << 28, compressed_blocks=512,
+                 pytest=("tests/test_kernels.py",
                  "tests/test_hooks.py", "tests/test_equivalence.py")),
     "quick": dict(shape=TINY_SHAPE, contexts=(40, 120), decode_steps=4, long_decode_steps=3, long_context=64,
                   decode_rounds=5, block_size=16, warm_blocks=64, warm_rounds=3, cold_raw_bytes=8 << 20,
-                  cold_tier_bytes=2 << 20, pytest=("tests/test_config.py",)),
+                  cold_tier_bytes=2 << 20, compressed_blocks=16, pytest=("tests/test_config.py",)),
 }
 
 
@@ -1297,6 +1301,88 @@ def section_warm(ctx, rec: Recorder) -> None:
         rec.save()
 
 
+# ---- section: compressed ----------------------------------------------------------------------
+def section_compressed(ctx, rec: Recorder) -> None:
+    import torch
+
+    import tiered_kv
+    from tiered_kv.compression import MODES, codec
+    from tiered_kv.kernels import get_ops, reference
+    from tiered_kv.scheduler import HOT, WARM
+
+    layout = block_layout(ctx)
+    num_blocks = ctx.sizes["compressed_blocks"]
+    ops = get_ops()
+    rec.data["layout"] = {"block_bytes": layout.block_bytes, "blocks": num_blocks, "dtype": layout.dtype_name}
+    rec.data["kernels_backend"] = ops.backend
+
+    def median_s(call, repeats: int = 5) -> float:
+        call()
+        return statistics.median(timed_call(ctx, call)["wall_s"] for _ in range(repeats))
+
+    def kernel():
+        out = {}
+        x = torch.randn(num_blocks, *layout.record_shape(), device=ctx.device).to(torch.bfloat16)
+        model_bytes = x.numel() * x.element_size()
+        for mode in MODES[1:]:
+            packed = codec.encode(x, mode)
+            want, got = torch.empty_like(x), torch.empty_like(x)
+            reference.dequant_blocks(want, packed, None, mode)
+            ops.dequant_blocks(got, packed, None, mode)
+            ctx.sync()
+            row = {"bitwise_equal_torch": bool(torch.equal(got, want)),
+                   "max_abs_error_vs_input": float((got.float() - x.float()).abs().max()),
+                   "ops_gb_per_s": model_bytes / GB / median_s(lambda: ops.dequant_blocks(got, packed, None, mode)),
+                   "torch_gb_per_s": model_bytes / GB / median_s(lambda: reference.dequant_blocks(want, packed, None,
+                                                                                                 mode)),
+                   "packed_bytes": packed.numel()}
+            if ctx.is_cuda:  # the kernel reading a pinned warm slab in place, through UVA
+                pinned = packed.cpu().pin_memory()
+                ops.dequant_blocks(got, pinned, None, mode)
+                ctx.sync()
+                row["from_pinned_bitwise_equal"] = bool(torch.equal(got, want))
+                row["from_pinned_gb_per_s"] = model_bytes / GB / median_s(
+                    lambda: ops.dequant_blocks(got, pinned, None, mode))
+            out[mode] = row
+        return out
+
+    rec.part("kernel", kernel)
+
+    def moves():
+        out = {}
+        full = {"high_watermark": 1.0, "low_watermark": 1.0}
+        for mode in ("none", "int8"):
+            store = tiered_kv.TierStore({
+                "block_size": layout.block_size,
+                "hot": {"device": str(ctx.device), "capacity_blocks": num_blocks, **full},
+                "warm": {"capacity_blocks": num_blocks, "pinned": "auto", "layout": "records", "compression": mode,
+                         **full},
+                "cold": {"capacity": 0}, "scheduler": {"background": False}})
+            try:
+                store.bind(layout, torch.bfloat16)
+                fill_random(store.tiers[HOT].slab)
+                block_ids = store.allocate(num_blocks)
+                _, slots = store.placements(block_ids)
+                ref = store.tiers[HOT].read_blocks(list(slots)).clone()
+                down = timed_call(ctx, lambda: store.demote(block_ids, WARM), store.copy_engine.synchronize)
+                up = timed_call(ctx, lambda: store.promote(block_ids), store.copy_engine.synchronize)
+                tiers, slots = store.placements(block_ids)
+                back = store.tiers[HOT].read_blocks(list(slots))
+                expected = ref if mode == "none" else codec.decode(codec.encode(ref, mode), mode,
+                                                                   layout.num_kv_heads, layout.block_size,
+                                                                   layout.head_dim, torch.bfloat16)
+                out[mode] = {"d2h_s": down["wall_s"], "h2d_s": up["wall_s"], "all_back_hot": bool((tiers == HOT).all()),
+                             "round_trip_as_expected": bool(torch.equal(back, expected)),
+                             "bytes_moved": store.stats()["bytes_moved"]}
+            finally:
+                store.close()
+        if all(m in out for m in ("none", "int8")):
+            out["int8_speed_vs_none"] = {d: out["none"][f"{d}_s"] / out["int8"][f"{d}_s"] for d in ("d2h", "h2d")}
+        return out
+
+    rec.part("moves", moves)
+
+
 # ---- section: cold -----------------------------------------------------------------------------
 def drop_page_cache(path: str) -> dict:
     """Write the file's dirty pages back and ask the kernel to drop its cached pages (only this
@@ -1555,7 +1641,7 @@ def use_this_checkout() -> None:
 
 
 SECTION_FUNCS = {"env": section_env, "kernels": section_kernels, "decode": section_decode, "warm": section_warm,
-                 "cold": section_cold, "pytest": section_pytest}
+                 "cold": section_cold, "compressed": section_compressed, "pytest": section_pytest}
 
 
 def run_child(args) -> int:
@@ -1689,6 +1775,12 @@ def print_summary(result: dict) -> None:
     cold = sections.get("cold", {}).get("summary")
     if cold:
         say("cold: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in cold.items()))
+    compressed = sections.get("compressed", {})
+    for mode, row in (compressed.get("kernel") or {}).items():
+        if isinstance(row, dict) and "ops_gb_per_s" in row:
+            say(f"dequant {mode}: {row['ops_gb_per_s']:.1f} GB/s ({compressed.get('kernels_backend')}; torch "
+                f"{row['torch_gb_per_s']:.1f}), bitwise {row['bitwise_equal_torch']}"
+                + (f", from pinned {row['from_pinned_gb_per_s']:.1f} GB/s" if "from_pinned_gb_per_s" in row else ""))
     pytest_data = sections.get("pytest", {})
     if pytest_data.get("last_line"):
         say(f"pytest: {pytest_data['last_line']}")

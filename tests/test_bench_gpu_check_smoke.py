@@ -30,7 +30,7 @@ def _bench_module():
 
 def test_gpu_check_quick_mode(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--sections", "env,decode,warm,cold",
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--sections", "env,decode,warm,cold,compressed",
                            "--out", str(out), "--scratch", str(tmp_path / "scratch")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -38,7 +38,7 @@ def test_gpu_check_quick_mode(tmp_path):
     result = json.loads(out.read_text())
     assert result["within_budget"] is True
     sections = result["sections"]
-    assert list(sections) == ["env", "decode", "warm", "cold"]
+    assert list(sections) == ["env", "decode", "warm", "cold", "compressed"]
     for name, data in sections.items():
         assert data["status"] == "ok", f"{name}: {data.get('error')}\n{data.get('output_tail', '')}"
 
@@ -107,6 +107,16 @@ def test_gpu_check_quick_mode(tmp_path):
     assert cold["tier_posix"]["cached"]["data_round_trip_equal"] is True
     assert _positive(cold["summary"]["raw_posix_disk_gb_per_s"])
     assert "error" in cold["tier_kvikio"]  # kvikio needs a CUDA device
+
+    compressed = sections["compressed"]
+    assert compressed["kernels_backend"] == "torch"
+    for mode in ("fp8", "int8", "int4"):
+        row = compressed["kernel"][mode]
+        assert row["bitwise_equal_torch"] is True and _positive(row["ops_gb_per_s"]), (mode, row)
+    moves = compressed["moves"]
+    for mode in ("none", "int8"):
+        assert moves[mode]["all_back_hot"] is True and moves[mode]["round_trip_as_expected"] is True, mode
+    assert 0 < moves["int8"]["bytes_moved"]["hot->warm"] < moves["none"]["bytes_moved"]["hot->warm"]
 
 
 def test_variant_without_a_timed_round_fails():
