@@ -137,10 +137,22 @@ class CompressedWarmTier(WarmTier):
             return packed
         return packed.to(device, non_blocking=self.pinned)
 
-    def _packed_runs(self, layer: int, block_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    def token_index(self, slots, offsets):
+        """WarmTier's index; a run of whole blocks also carries its runs of consecutive slots
+        `(first block, first slot, length)`, found once per step instead of once per layer."""
+        index = super().token_index(slots, offsets)
+        if index[0] != "blocks":
+            return index
+        block_slots = index[1].numpy()
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(block_slots) != 1) + 1)).astype(np.int64)
+        lengths = np.diff(np.append(starts, len(block_slots)))
+        runs = list(zip(starts.tolist(), block_slots[starts].tolist(), lengths.tolist())) if len(block_slots) else []
+        return (*index, runs)
+
+    def _packed_runs(self, layer: int, index) -> list[tuple[int, torch.Tensor]]:
         """`(first block, [k, P] packed slices)` of one layer per run of consecutive slots (views of
         the slab), or one gathered run when the slots are scattered."""
-        runs = slot_runs(range(len(block_slots)), block_slots.tolist())  # (first block, first slot, length)
+        block_slots, runs = index[1], index[4]
         if len(runs) > max(MAX_DECODE_RUNS, len(block_slots) // 4):
             return [(0, self.slab[:, layer].index_select(0, block_slots))]
         return [(b0, self.slab[s0:s0 + length, layer]) for b0, s0, length in runs]
@@ -149,7 +161,7 @@ class CompressedWarmTier(WarmTier):
         """(unique slots, each token's position among them, each token's offset) of a token_index."""
         bs = self.layout.block_size
         if index[0] == "blocks":
-            _, block_slots, first, count = index
+            block_slots, first, count = index[1:4]
             positions = (torch.arange(count) + first) // bs
             return block_slots, positions, (torch.arange(count) + first) % bs
         _, slots, offsets = index
@@ -166,9 +178,9 @@ class CompressedWarmTier(WarmTier):
         """Decoded straight into `out` (`[2, H, n, D]`, any strides; on a GPU the packed bytes go
         there first and are decoded there)."""
         if index[0] == "blocks":
-            _, block_slots, first, count = index
+            first, count = index[2], index[3]
             bs = self.layout.block_size
-            for b0, packed in self._packed_runs(layer, block_slots):
+            for b0, packed in self._packed_runs(layer, index):
                 lo, hi = max(b0 * bs, first), min((b0 + len(packed)) * bs, first + count)  # this run's tokens
                 if lo < hi:
                     self.codec.decode_span(self._for_device(packed, out.device), lo - b0 * bs, hi - lo,
