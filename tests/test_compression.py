@@ -403,3 +403,27 @@ def test_a_second_store_on_the_same_compressed_cold_path_reads_the_first_ones_re
         first.close()
         if second is not None:
             second.close()
+
+
+@pytest.mark.parametrize("kind", ("forces_warm", "forces_cold"))
+def test_compression_none_said_explicitly_is_bitwise_the_model_dtype(kind, tmp_path):
+    """`none` keeps every tier in the model's dtype: tokens equal DynamicCache's every turn, and the
+    KV the bank holds for the first turn is bitwise what DynamicCache holds."""
+    model = tiny_model("llama")
+    bank = tiered_kv.CacheBank(model, compressed_config(kind, tmp_path, "none"))
+    dynamic = DynamicCache(config=model.config)
+    ids = rand_ids(41, 17)
+    out = greedy(model, ids, bank, 6)
+    assert torch.equal(out, greedy(model, ids, dynamic, 6))
+    stats = bank.stats()
+    assert {stats["tiers"][t]["compression"] for t in ("hot", "warm", "cold")} == {"none"}
+    assert stats["bank_blocks"]["warm" if kind == "forces_warm" else "cold"] > 0
+    tokens = out.shape[1] - 1  # the last generated token is never fed back
+    store = bank.store
+    stored = torch.cat([store.tiers[store.index.get(b).tier].read_blocks([store.index.get(b).slot]).to("cpu")
+                        for b in bank.block_table(0)])  # [n, L, 2, H, bs, D], read back from every tier
+    kv = stored.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)[..., :tokens, :]  # [L, 2, H, tokens, D]
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(kv[layer, 0], dynamic.layers[layer].keys[0, :, :tokens])
+        assert torch.equal(kv[layer, 1], dynamic.layers[layer].values[0, :, :tokens])
+    bank.close()
