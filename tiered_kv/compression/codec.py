@@ -9,9 +9,9 @@ history in a compressed warm tier runs `decode_into` for every layer:
 - int8: codes copied (converted) into the destination, multiplied by their scales in place;
 - fp8: e4m3 bytes turned into float16 bit patterns with integer ops (e4m3 is float16 with 4
   exponent bits and 3 mantissa bits, so `sign | magnitude << 7` is the float16 of value / 256,
-  subnormals included) and converted in one copy: torch's own float8 -> float32 cast runs ~10x
+  subnormals included) and converted in one copy: torch's own float8 -> float32 cast runs ~3x
   slower than that on CPU; the scale carries the 256;
-- int4: two nibbles per byte spread into two bytes with one int16 pass, then as int8 plus a zero.
+- int4: two nibbles per byte spread into two bytes in int16 passes, converted, scaled, plus a zero.
 On CUDA the native kernel (native/dequant_blocks.cu, kernels.ops.dequant_blocks) does all of it in
 one pass; `decode_into` takes it when the destination is on a GPU and the kernels run there.
 """

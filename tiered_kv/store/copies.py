@@ -97,8 +97,8 @@ def _through_codec(tiers: list, group: list, src_tier: int, dst_tier: int) -> No
 
 def _gather(tiers: list, src_tier: int, slots: list[int], buffer, staging: Staging) -> None:
     """Blocks of a hot or warm tier into the host staging `buffer`, in order."""
-    if is_compressed(tiers[src_tier]):
-        buffer.copy_(tiers[src_tier].read_blocks(slots))
+    if is_compressed(tiers[src_tier]):  # expanded straight into the buffer (another packing follows)
+        tiers[src_tier].read_blocks_into(slots, buffer, list(range(len(slots))))
     else:
         staging.copier.copy(buffer, range(len(slots)), tiers[src_tier].slots_view(), slots)
 
@@ -134,6 +134,9 @@ def _into_cold(tiers: list, group: list, src_tier: int, staging: Staging, engine
         if same_packing(src, cold):
             cold.write_packed([t.dst_slot for t in chunk], src.read_packed([t.src_slot for t in chunk]))
             continue
+        if is_compressed(cold) and not is_compressed(src):  # packed where the blocks are: on a GPU the
+            cold.write_blocks([t.dst_slot for t in chunk], src.read_blocks([t.src_slot for t in chunk]))
+            continue  # packed bytes cross the link, not the model's
         buffer = staging.host[:len(chunk)]
         _gather(tiers, src_tier, [t.src_slot for t in chunk], buffer, staging)
         engine.host_wait()  # pwritev reads the host buffer now

@@ -169,8 +169,8 @@ class Mover:
             for t in batch.failed:
                 self._failed_until[t.block_id] = retry_at
         self.num_batches += 1
-        moved = self.store.transfers.moved_block_bytes
-        self.bytes_moved += sum(moved(t.src_tier, t.dst_tier) for t in batch.committed)
+        moved = self.store.transfers.moved_bytes  # (an eviction carries nothing)
+        self.bytes_moved += sum(moved.get((t.src_tier, t.dst_tier), 0) for t in batch.committed)
         into_cold = any(t.dst_tier == COLD for t in batch.transfers)
         if isinstance(batch.failure, ColdWriteError) and into_cold:
             self._cold_retry_pending = True

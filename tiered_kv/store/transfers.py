@@ -52,9 +52,10 @@ class Transfers:
         self.engine = engine
         self.metrics = metrics
         self.link_monitor = link_monitor
-        # bytes of one block as each tier stores it: a move between two tiers carries the smaller
-        # (a compressed tier's blocks cross as packed bytes, expanded or packed on the other side)
-        self.tier_block_bytes = tier_block_bytes
+        # per (source, destination) tier, the bytes one block's move carries: the smaller of the two
+        # tiers' blocks (a compressed tier's cross packed, expanded or packed on the other side)
+        self.moved_bytes = {(s, d): min(a, b) for s, a in enumerate(tier_block_bytes)
+                            for d, b in enumerate(tier_block_bytes)}
         self.staging = staging  # mode -> copies.Staging (host staging, device staging, reader)
         self._failure_warnings = Throttle(log)
         self.closed = False  # after close(): nothing is prepared any more
@@ -251,19 +252,13 @@ class Transfers:
         for tier, slots in given_back.items():
             state.free_slots_after(tier, slots, after=event)
         for (src, dst), count in landed.items():
-            self._count_bytes(src, dst, count * self.moved_block_bytes(src, dst), batch.mode)
+            self._count_bytes(src, dst, count * self.moved_bytes[(src, dst)], batch.mode)
         self._observe_copy_seconds(batch, landed)
         if isinstance(error, ColdWriteError):
             failures.drop_cached_that_failed_into_cold(state, batch)
         if error is not None and batch.failed:
             failures.report(self.metrics, self._failure_warnings, batch, error)
         state.changes.bump()
-
-    def moved_block_bytes(self, src: int, dst: int) -> int:
-        """Bytes one block's move from tier `src` to tier `dst` carries (0 for an eviction)."""
-        if not (0 <= src < len(self.tier_block_bytes) and 0 <= dst < len(self.tier_block_bytes)):
-            return 0
-        return min(self.tier_block_bytes[src], self.tier_block_bytes[dst])
 
     def _complete_fill(self, t: Transfer, batch: TransferBatch, error, landed: dict) -> None:
         """A copy-on-write or write-in: the new block is at its destination already."""
