@@ -97,6 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chats", type=int, default=16, help="concurrent chats")
     parser.add_argument("--turns", type=int, default=12, help="turns per chat")
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of who speaks next (0: uniform)")
+    parser.add_argument("--trace", choices=("closed", "open"), default="closed",
+                        help="closed: every chat has exactly --turns turns (a popular chat finishes early and "
+                             "leaves); open: chats x turns events, each speaker drawn among all chats (a popular "
+                             "chat keeps chatting, its history grows long)")
     parser.add_argument("--think-mean-s", type=float, default=0.05,
                         help="mean think time before a turn, seconds (exponential, real sleep)")
     parser.add_argument("--shared-fraction", type=float, default=0.5,
@@ -239,6 +243,8 @@ def make_trace(args, maker: MessageMaker) -> Trace:
     premium = set(premium_rng.sample(range(chats), min(args.premium_chats, chats)))
     weights = [1.0 / (rank ** args.zipf) for rank in range(1, chats + 1)]
     turns_left, next_turn, events = [turns] * chats, [1] * chats, []
+    if args.trace == "open":  # nobody finishes: every speaker is drawn among all chats
+        turns_left = [chats * turns] * chats
     while len(events) < chats * turns:
         open_chats = [c for c in range(chats) if turns_left[c]]
         chat = speaker_rng.choices(open_chats, [weights[c] for c in open_chats])[0]
@@ -248,11 +254,12 @@ def make_trace(args, maker: MessageMaker) -> Trace:
         next_turn[chat] += 1
     first_ids = [maker.system(args.system_tokens, 0 if shares[c] else c + 1)
                  + maker.user(args.tokens_per_turn, c, 1) for c in range(chats)]
-    user_ids = [{t: maker.user(args.tokens_per_turn, c, t) for t in range(2, turns + 1)} for c in range(chats)]
-    final = args.system_tokens + turns * (args.tokens_per_turn + args.max_new_tokens)
+    num_turns = [next_turn[c] - 1 for c in range(chats)]
+    user_ids = [{t: maker.user(args.tokens_per_turn, c, t) for t in range(2, num_turns[c] + 1)} for c in range(chats)]
+    final = [args.system_tokens + n * (args.tokens_per_turn + args.max_new_tokens) for n in num_turns]
     return Trace(events, first_ids, user_ids, shares,
                  [args.premium_cs if c in premium else args.standard_cs for c in range(chats)],
-                 [final] * chats, [c % args.threads for c in range(chats)])
+                 final, [c % args.threads for c in range(chats)])
 
 
 # ---- tier budget -------------------------------------------------------------------------------

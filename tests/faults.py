@@ -83,11 +83,11 @@ class Faults:
         self._marked.add(id(batch))
         return self._real_launch(batch)
 
-    def _run(self, tiers, transfers, staging, engine, metrics):
+    def _run(self, tiers, transfers, *args):
         if transfers and id(transfers[0].batch) in self._marked:
             self._marked.discard(id(transfers[0].batch))
             raise self.error
-        return self._real_run(tiers, transfers, staging, engine, metrics)
+        return self._real_run(tiers, transfers, *args)
 
     def remove(self) -> None:
         self.store.transfers.launch = self._real_launch

@@ -271,3 +271,84 @@ def test_cost_sensitivity_reaches_the_scheduler(tmp_path):
     bank.close()
     assert store.stats()["scheduler"]["chats"] == {}
     store.close()
+
+
+# ---- issue 22: prefetch that fits the think time, and background moves that never delay a turn ------
+
+def test_a_prefetch_stops_at_its_deadline_most_recent_blocks_first(tmp_path):
+    """Batches of 4 blocks, each held 0.15 s: with a 0.2 s deadline the mover brings up the first
+    batch or two (the chat's most recent blocks), then drops the request; the turn brings the rest."""
+    model = tiny_model("llama")
+    bank = tiered_kv.CacheBank(model, config(tmp_path))
+    out = greedy(model, rand_ids(21, 60), bank, 4)  # 16 blocks
+    bank.offload("cold")
+    store = bank.store
+    store.mover.batch_blocks = 4
+    launch = store.transfers.launch
+
+    def slow(batch):
+        if batch.mode == BACKGROUND:
+            threading.Event().wait(0.15)
+        return launch(batch)
+
+    store.transfers.launch = slow
+    with pytest.raises(ValueError, match="deadline_s"):
+        bank.prefetch(deadline_s=-1)
+    bank.prefetch(deadline_s=0.2)
+    assert store.wait_for_background(WAIT_S)
+    hot = [store.index.get(b).tier == HOT for b in bank.block_table(0)]
+    assert 4 <= sum(hot) < 16 and store.mover.num_expired == 1
+    assert hot == sorted(hot), hot  # the ones that came up are the newest (at the end of the table)
+    follow = torch.cat([out, rand_ids(22, 3)], 1)
+    bank.attach(follow)
+    assert torch.equal(greedy(model, follow, bank, 4), reference(model, follow, 4))
+    bank.close()
+
+
+def test_a_prefetch_goes_before_durable_copies_and_every_background_move_waits_for_a_turns_own(tmp_path):
+    """A prefetch request is served before the write-behind copies due at the same time; and while a
+    caller's on-demand batch is in flight (or the copy engine has units queued), the mover prepares
+    nothing: a turn's own moves are never queued behind background ones."""
+    model = tiny_model("llama")
+    cfg = config(tmp_path)
+    cfg["cold"]["write_behind_s"] = 0.001
+    cfg["copies"] = {"engine": "thread", "delay_us": 0}
+    store = tiered_kv.TierStore(cfg)
+    other = tiered_kv.CacheBank(model, store=store)
+    greedy(model, rand_ids(23, 40), other, 2)
+    other.offload("cold")
+    order = []
+    launch = store.transfers.launch
+
+    def record(batch):
+        if batch.mode == BACKGROUND:
+            order.append("backup" if any(t.kind == "backup" for t in batch.transfers) else "move")
+        return launch(batch)
+
+    parked, real_batch = threading.Event(), store.mover._one_batch
+    store.mover._one_batch = lambda: parked.wait(WAIT_S) and real_batch()  # the mover waits while both become due
+    store.transfers.launch = record
+    fresh = tiered_kv.CacheBank(model, store=store)
+    greedy(model, rand_ids(24, 20), fresh, 2)  # publishes blocks: durable copies due at once
+    other.prefetch()
+    threading.Event().wait(0.01)
+    parked.set()
+    assert store.wait_for_background(WAIT_S) and store.flush()
+    assert "move" in order and "backup" in order and order.index("move") < order.index("backup")
+    # an on-demand batch in flight (held on the engine's thread): the mover yields
+    gate = threading.Event()
+    store.copy_engine.submit(lambda: gate.wait(WAIT_S))
+    assert store.copy_engine.queue_depth() == 1
+    yielded = store.mover.num_yielded
+    thread, box = in_thread(other.offload, "warm")  # on demand, queued behind the held unit
+    for _ in range(200):
+        store.mover.wake()
+        threading.Event().wait(0.005)
+        if store.mover.num_yielded > yielded:
+            break
+    assert store.mover.num_yielded > yielded and thread.is_alive()
+    gate.set()
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    assert store.wait_for_background(WAIT_S) and store.copy_engine.queue_depth() == 0
+    store.close()

@@ -20,6 +20,7 @@ import torch
 
 from ..blocks import DROPPED, HOT, TIER_NAMES
 from ..identity import chain_keys
+from ..scheduler.restore import restore_blocks
 from ..store.reporting import count_turn_start
 from .rows import Row, common_prefix_length
 
@@ -53,14 +54,43 @@ class ChatOps:
             self._extend_from_store([Row() for _ in range(self._num_groups)], token_ids, limit)
         elif self._seq_len % block_size == 0:
             self._extend_from_store(self._rows, token_ids, limit)
+        stored = self._seq_len
+        if self._rows and self._restores_by_choice:
+            self._recompute_what_loads_slower()
+        metrics = self.store.metrics
+        metrics.restore_choice.inc(("restored",), self._seq_len)
+        metrics.restore_choice.inc(("recomputed",), stored - self._seq_len)
         if self._rows:
             self._promote_all(turn_start=True)
             self._turn_counted = True  # the step that follows is this same turn
-        metrics = self.store.metrics
         metrics.turns.inc()
         metrics.tokens_reused.inc((), self._seq_len)
         self._turn_started_s = started_s  # time to first token runs to the end of the next forward
         return self._seq_len
+
+    @property
+    def _restores_by_choice(self) -> bool:
+        """scheduler.restore auto, on a model of one full-attention group (a hybrid model resumes
+        only where every group's window is stored: it restores all it can)."""
+        return self.config.scheduler.restore == "auto" and self.layer_groups.is_single_full
+
+    def _recompute_what_loads_slower(self) -> None:
+        """Keep the leading blocks whose load beats recomputing them; release the rest, which the
+        turn's prefill computes (scheduler/restore.py, from the store's measured rates)."""
+        store, block_size = self.store, self.config.block_size
+        per_block = store.rates.recompute_seconds(block_size)
+        if per_block is None:
+            return
+        table = self._rows[0].table
+        tiers, _ = store.placements(table)
+        cost = {}  # per tier: seconds to bring one block of it up (None: not measured yet)
+        for tier in set(tiers.tolist()):
+            name = TIER_NAMES[tier] if tier != DROPPED else None
+            cost[tier] = 0.0 if tier == HOT or name is None else \
+                store.rates.load_seconds(name, store.tiers[tier].layout.block_bytes)
+        keep = restore_blocks([cost[t] for t in tiers.tolist()], per_block)
+        if keep < len(table):
+            self._truncate_rows(self._servable_length(keep * block_size))
 
     def _can_look_up(self) -> bool:
         return self.fingerprint.is_shareable and self.store.is_bound
@@ -143,19 +173,44 @@ class ChatOps:
         if not keys:
             return []
         found = self.store.lookup_and_retain(keys)
-        if len(found) < len(keys):  # the rest of the chain may be on the shared remote tier
+        if len(found) < len(keys):  # the rest of the chain may be on the other processes' files or the remote tier
+            missing = len(keys) - len(found)
+            if self._restores_by_choice and self._fetch_is_slower(missing):
+                # (they may not all be there: counted apart from the local choices)
+                self.store.metrics.restore_choice.inc(("not_fetched",), missing * self.config.block_size)
+                return found
             found += self.store.fetch_remote(keys[len(found):], self._root_key(group))
         return found
 
-    def prefetch(self) -> None:
+    def _fetch_is_slower(self, num_blocks: int) -> bool:
+        """Whether fetching `num_blocks` from the other processes' cold files and the remote tier
+        would take longer than recomputing them, by every rate measured (an unmeasured source is
+        tried: that measures it)."""
+        store = self.store
+        recompute = store.rates.recompute_seconds(num_blocks * self.config.block_size)
+        if recompute is None:
+            return False
+        estimates = []
+        if store.peers is not None:
+            estimates.append(store.rates.load_seconds("peer", num_blocks * store.peers.layout.block_bytes))
+        if store.remote is not None:
+            estimates.append(store.rates.load_seconds("remote", num_blocks * store.remote.value_bytes))
+        return bool(estimates) and all(e is not None and e > recompute for e in estimates)
+
+    def prefetch(self, deadline_s: float | None = None) -> None:
         """Bring this chat's blocks up the tiers ahead of its next turn (call it when the user
         starts typing). Returns at once: the store's background mover moves them, most recent
-        first; a turn that begins meanwhile waits only for the blocks still on their way.
-        With `scheduler.background: false` the blocks come up before this returns."""
+        first, ahead of its other background work, and gives up `deadline_s` seconds from now
+        (None: once all are up). A turn that begins meanwhile takes the prefetch over: it waits
+        for the blocks in flight and moves the rest itself. The policy counts the coming turn now
+        (scheduler.policy ali). With `scheduler.background: false` the blocks come up before this
+        returns."""
         self._check_open()
         self._abandon_step()
+        if deadline_s is not None and not deadline_s >= 0:
+            raise ValueError(f"prefetch(deadline_s={deadline_s!r}): allowed None or seconds >= 0")
         if self._rows:
-            self.store.prefetch(self._step_owner, self._promotion_order(self._rows))
+            self.store.prefetch(self._step_owner, self._promotion_order(self._rows), deadline_s)
 
     def offload(self, tier: str = "warm") -> dict:
         """Move this idle chat's blocks down to `tier` ("warm" or "cold"), freeing the tiers

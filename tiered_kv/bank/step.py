@@ -68,6 +68,7 @@ class Step:
     lease: object = None  # the store's StepLease (store/leases.py) once opened
     reads: object = None  # StepReads (hooks/reads.py) when tiered_kv.hooks serve this step's attention
     started_s: float = 0.0  # time.perf_counter() when layer 0 began the step
+    computing_s: float = 0.0  # time.perf_counter() once its lease was open (its moves done): compute from here
 
     def allocated_block_ids(self) -> list[int]:
         return self.lease.allocated_block_ids if self.lease is not None else []

@@ -123,6 +123,7 @@ class Stepping:
         self._step = step
         with self._rolled_back_on_error():
             step.lease = self._open_lease(self._step_request(step))
+        step.computing_s = time.perf_counter()
 
     def _step_request(self, step: Step) -> StepRequest:
         new_turn = step.num_new_tokens > 1
@@ -232,8 +233,12 @@ class Stepping:
             observer.step_committed(self, step.num_new_tokens, step.num_tokens, time.perf_counter() - step.started_s)
 
     def _count_step(self, step: Step) -> None:
-        """Tokens computed by kind; the turn's time to first token at the end of its first forward."""
+        """Tokens computed by kind; the turn's time to first token at the end of its first forward;
+        a prefill's seconds per token (what recomputing costs: scheduler/restore.py)."""
         metrics = self.store.metrics
+        if step.num_new_tokens > 1 and step.computing_s:
+            self.store.rates.note_prefill(step.num_new_tokens * len(self._rows) // self._num_groups,
+                                          time.perf_counter() - step.computing_s)
         metrics.tokens_computed.inc(("prefill" if step.num_new_tokens > 1 else "decode",),
                                     step.num_new_tokens * len(self._rows))
         if self._turn_started_s is not None:

@@ -120,6 +120,10 @@ class SyncCopyEngine:
     def compute_fence(self) -> CopyEvent | None:
         return None
 
+    def queue_depth(self) -> int:
+        """Units submitted and not done yet: none (each ran before submit returned)."""
+        return 0
+
     def synchronize(self) -> None:
         pass
 
@@ -138,6 +142,7 @@ class ThreadCopyEngine:
         self._condition = threading.Condition()
         self._closed = False
         self._last: CopyEvent = PassedEvent()
+        self._running = 0  # a unit the thread took from the queue and has not finished
         self._thread = threading.Thread(target=self._run, name="tiered_kv-copy-engine", daemon=True)
         self._thread.start()
 
@@ -160,6 +165,7 @@ class ThreadCopyEngine:
                 if not self._queue:
                     return
                 unit, event = self._queue.popleft()
+                self._running = 1
             if self.delay_s:
                 time.sleep(self.delay_s)
             error = None
@@ -167,6 +173,8 @@ class ThreadCopyEngine:
                 unit()
             except BaseException as caught:  # noqa: BLE001 - kept on the event: the batch fails
                 error = caught
+            with self._condition:
+                self._running = 0
             event.pass_(error)
 
     def host_wait(self) -> None:
@@ -174,6 +182,11 @@ class ThreadCopyEngine:
 
     def compute_fence(self) -> CopyEvent | None:
         return None
+
+    def queue_depth(self) -> int:
+        """Units submitted and not done yet (queued, or running now)."""
+        with self._condition:
+            return len(self._queue) + self._running
 
     def synchronize(self) -> None:
         with self._condition:
@@ -197,6 +210,7 @@ class CudaCopyEngine:
     def __init__(self, device: torch.device):
         self.device = device
         self.side_stream = torch.cuda.Stream(device=device)
+        self._outstanding: deque[CopyEvent] = deque()  # events of submitted units, oldest first
 
     def submit(self, unit: Unit) -> CopyEvent:
         # the unit's copies must see everything compute queued before (K/V written this step)
@@ -214,7 +228,15 @@ class CudaCopyEngine:
         if interrupt is not None:
             interrupt.copy_event = _CudaEvent(event, interrupt)  # what was issued is still covered
             raise interrupt
-        return _CudaEvent(event, error)
+        done = _CudaEvent(event, error)
+        self._outstanding.append(done)
+        return done
+
+    def queue_depth(self) -> int:
+        """Units whose device copies have not all run yet (the side stream runs them in order)."""
+        while self._outstanding and self._outstanding[0].done():
+            self._outstanding.popleft()
+        return len(self._outstanding)
 
     def host_wait(self) -> None:
         """Inside a unit: the host waits for the unit's device copies so far (before it reads or

@@ -191,6 +191,10 @@ class Metrics:
                              "Blocks of history a turn needed, by the tier each was in when the turn began", ("tier",))
         self.turns = c("turns_total", "Turns begun (attach() or a multi-token step)")
         self.tokens_reused = c("tokens_reused_total", "Prompt tokens whose stored KV a turn reused")
+        self.restore_choice = c("restore_choice_tokens_total", "Stored prompt tokens a turn could reuse, by what "
+                                "scheduler.restore chose: restored, or recomputed (loading them was slower); "
+                                "not_fetched: a chain's rest not looked for on other processes' files or the "
+                                "remote server (fetching it was estimated slower)", ("choice",))
         self.tokens_computed = c("tokens_computed_total", "Tokens whose KV a forward pass computed, by step kind",
                                  ("kind",))
         self.ttft = h("time_to_first_token_seconds",

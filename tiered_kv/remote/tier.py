@@ -131,6 +131,11 @@ class RemoteTier:
             return self._condition.wait_for(lambda: not self._queue and not self._busy, timeout=timeout_s)
 
     # ---- reading -------------------------------------------------------------------------------
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one value on the wire (header and the block as this tier stores it)."""
+        return codec.value_bytes(self.layout)
+
     def fetch(self, keys: list[bytes], root: bytes) -> list:
         """The blocks' bytes (uint8 numpy) of the leading run of `keys` the server holds intact."""
         if not keys or self.layout is None:

@@ -17,6 +17,7 @@ Host memory a device copy of the unit still uses is reused only after `engine.ho
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -61,7 +62,7 @@ class Staging:
         self.copier.staging = None
 
 
-def run(tiers: list, transfers: list, staging: Staging, engine, metrics) -> None:
+def run(tiers: list, transfers: list, staging: Staging, engine, metrics, rates=None) -> None:
     """Copy every transfer's bytes: one unit of the copy engine (see the module docstring)."""
     groups: dict[tuple[str, int, int], list] = {}
     for t in transfers:
@@ -78,7 +79,7 @@ def run(tiers: list, transfers: list, staging: Staging, engine, metrics) -> None
             staging.copier.copy(tiers[dst_tier].slots_view(), [t.dst_slot for t in group],
                                 tiers[src_tier].slots_view(), [t.src_slot for t in group])
         elif src_tier == COLD:
-            _out_of_cold(tiers, group, dst_tier, staging, engine, metrics)
+            _out_of_cold(tiers, group, dst_tier, staging, engine, metrics, rates)
         else:
             _into_cold(tiers, group, src_tier, staging, engine)
     # no host wait here: device copies still queued are covered by the unit's event
@@ -143,7 +144,7 @@ def _into_cold(tiers: list, group: list, src_tier: int, staging: Staging, engine
         cold.write_blocks([t.dst_slot for t in chunk], buffer)
 
 
-def _out_of_cold(tiers: list, group: list, dst_tier: int, staging: Staging, engine, metrics) -> None:
+def _out_of_cold(tiers: list, group: list, dst_tier: int, staging: Staging, engine, metrics, rates=None) -> None:
     """Chunks in file order through host staging, double-buffered: the reader thread fills one
     half while this thread copies the other half to the destination."""
     group = sorted(group, key=lambda t: t.src_slot)
@@ -165,6 +166,7 @@ def _out_of_cold(tiers: list, group: list, dst_tier: int, staging: Staging, engi
     def read(k: int) -> None:
         buffer = buffers[k % halves][:len(chunks[k])]
         start = metrics.read_seconds.start()
+        started_s = time.perf_counter()
         try:
             read_into([t.src_slot for t in chunks[k]], buffer)
         except CorruptBlockError:  # find the bad ones; the good ones still move
@@ -174,6 +176,8 @@ def _out_of_cold(tiers: list, group: list, dst_tier: int, staging: Staging, engi
                 except CorruptBlockError:
                     t.corrupt = True
         metrics.read_seconds.stop(("cold",), start)
+        if rates is not None:  # the cold tier's read rate, as the restore decision sees it
+            rates.note_read("cold", len(chunks[k]) * cold.layout.block_bytes, time.perf_counter() - started_s)
 
     reader = staging.reader() if halves > 1 and len(chunks) > 1 else None
     pending = {k: reader.submit(read, k) for k in range(min(halves, len(chunks)))} if reader is not None else {}

@@ -24,9 +24,10 @@ from collections import OrderedDict
 
 from ..blocks import COLD, DROPPED, HOT, WARM
 from ..hw.block_io import ColdWriteError
-from ..metrics.registry import BACKGROUND
+from ..metrics.registry import BACKGROUND, ON_DEMAND
 from ..scheduler import Plan
 from . import write_behind
+from .copies import BACKUP
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class Mover:
         self._lower_read_step = -1  # store step of the last step that read blocks outside hot
         self.num_batches = 0
         self.num_cancelled = 0
+        self.num_yielded = 0  # rounds the mover waited because a turn's own moves were under way
+        self.num_expired = 0  # prefetch requests dropped at their deadline with blocks still below
         self.bytes_moved = 0
         self._cold_retry_at = 0.0
         self._cold_backoff_s = COLD_BACKOFF_FIRST_S
@@ -66,8 +69,9 @@ class Mover:
         return self._store_ref()
 
     # ---- requests (store lock held by the caller) -----------------------------------------------
-    def request_prefetch(self, owner: int, block_ids: list[int]) -> None:
-        self._requests[owner] = list(block_ids)
+    def request_prefetch(self, owner: int, block_ids: list[int], deadline: float | None = None) -> None:
+        """Bring `block_ids` up, most wanted first, until `deadline` (time.monotonic(); None: until done)."""
+        self._requests[owner] = (list(block_ids), deadline)
         self._requests.move_to_end(owner)
         # until its next step, the chat is about to be read: no optional move takes its blocks
         # down again (its ALI or read count may be low: it has been idle)
@@ -145,9 +149,14 @@ class Mover:
             if store.is_closing:
                 return False
             store.state.drain()
-            batch = self._backups()
+            if self._turn_is_moving():  # a turn's own moves go first: background waits an interval
+                self.num_yielded += 1
+                return False
+            plan, leave_alone = self._prefetch_plan()  # a coming turn first, then durability, then the rest
+            batch = self._backups() if plan is None else None
             if batch is None:
-                plan, leave_alone = self._next_plan()
+                if plan is None:
+                    plan, leave_alone = self._next_plan()
                 if plan is None or not plan.moves:
                     return False
                 batch = store.transfers.prepare(plan.moves, BACKGROUND, leave_alone)
@@ -192,14 +201,26 @@ class Mover:
         batch = write_behind.prepare_backups(store.transfers, due, BACKGROUND)[0] if due else None
         return batch if batch is not None and batch.transfers else None
 
-    def _next_plan(self):
-        """(plan, the predicate of blocks it must leave alone), or (None, None)."""
+    def _turn_is_moving(self) -> bool:
+        """A caller's own moves (a turn's room and history) are in flight, or the copy engine has
+        units queued (it runs them in order: a background batch queued now would be ahead of the
+        next turn's). The queue-depth signal of every machine (NVML's link load is the GPU's)."""
+        store = self.store
+        if store.copy_engine.queue_depth() > 0:
+            return True
+        return any(t.batch.mode == ON_DEMAND and t.kind != BACKUP for t in store.state.in_flight.values())
+
+    def _prefetch_plan(self):
+        """(the next batch of the oldest prefetch request still wanted, its leave-alone predicate),
+        or (None, None); a request past its deadline is dropped (bank.prefetch(deadline_s))."""
         store = self.store
         state = store.state
+        now = time.monotonic()
         while self._requests:
-            owner, block_ids = next(iter(self._requests.items()))
+            owner, (block_ids, deadline) = next(iter(self._requests.items()))
             wanted = [b for b in block_ids if b in state.index and state.index.get(b).tier not in (HOT, DROPPED)]
-            if not wanted:
+            if not wanted or (deadline is not None and now >= deadline):
+                self.num_expired += bool(wanted)
                 del self._requests[owner]
                 continue
             leave_alone = self._leave_alone(except_owner=owner)
@@ -208,6 +229,12 @@ class Mover:
             if plan.moves:
                 return Plan(moves=plan.moves[:self.batch_blocks]), leave_alone
             del self._requests[owner]  # nothing more can come up now
+        return None, None
+
+    def _next_plan(self):
+        """(plan, the predicate of blocks it must leave alone), or (None, None)."""
+        store = self.store
+        state = store.state
         if self._background_may_have_work() and \
                 store.link_monitor.saturation() <= store.config.scheduler.bs_threshold:
             leave_alone = self._leave_alone()

@@ -30,8 +30,10 @@ class Placement:
         store, state = self.store, self.store.state
         with store.lock:
             store.check_open()
-            if store.mover is not None and owner is not None:
-                store.mover.drop_requests(owner)
+            if owner is not None:  # its turn is coming: the policy counts it now (access_log.py)
+                store.access_log.announce_turn(owner, block_ids)
+                if store.mover is not None:
+                    store.mover.drop_requests(owner)
         self._wait_for_flights(set(block_ids))
 
         def make_plan(result: DemandResult) -> Plan:
@@ -63,14 +65,17 @@ class Placement:
         if waited:
             store.demand.charge_wait("promote", time.perf_counter() - start_s)
 
-    def prefetch(self, owner: int, block_ids: list[int]) -> None:
-        """Bring `owner`'s blocks up in the background (most wanted first) and return at once;
-        without a mover (scheduler.background false), promote them now."""
+    def prefetch(self, owner: int, block_ids: list[int], deadline_s: float | None = None) -> None:
+        """Bring `owner`'s blocks up in the background (most wanted first) and return at once,
+        giving up `deadline_s` from now; without a mover (scheduler.background false), promote
+        them now (all of them)."""
         store = self.store
         with store.lock:
             store.check_open()
+            store.access_log.announce_turn(owner, block_ids)  # its user is typing: the turn counts now
             if store.mover is not None:
-                store.mover.request_prefetch(owner, block_ids)
+                deadline = None if deadline_s is None else time.monotonic() + deadline_s
+                store.mover.request_prefetch(owner, block_ids, deadline)
                 return
         self.promote(block_ids, owner)
 

@@ -34,7 +34,9 @@ class RemoteIO:
         store = self.store
         if store.remote is None or not keys or not store.is_bound:
             return []
+        started_s = time.perf_counter()
         blocks = store.remote.fetch(keys, root)
+        store.rates.note_read("remote", len(blocks) * store.remote.value_bytes, time.perf_counter() - started_s)
         found = self._bring_in(blocks, keys, root, "remote_misses")
         for key in keys[:len(found)]:
             store.remote.note_known(key)  # it came from there: never written back
@@ -45,7 +47,10 @@ class RemoteIO:
         store = self.store
         if store.peers is None or not keys or not store.is_bound:
             return []
-        found = self._bring_in(store.peers.fetch(keys, root), keys, root, None)
+        started_s = time.perf_counter()
+        blocks = store.peers.fetch(keys, root)
+        store.rates.note_read("peer", len(blocks) * store.peers.layout.block_bytes, time.perf_counter() - started_s)
+        found = self._bring_in(blocks, keys, root, None)
         store.metrics.peer_hits.inc((), len(found))
         return found
 

@@ -155,6 +155,11 @@ class Reporting:
                              "deferred_frees": store.state.num_deferred_frees,
                              "failed_moves": int(self.metrics.failed_moves.total())}
             out["durability"] = self._durability_stats()
+            out["restore"] = {"mode": store.config.scheduler.restore,  # load or recompute (scheduler/restore.py)
+                              "restored_tokens": int(self.metrics.restore_choice.value(("restored",))),
+                              "recomputed_tokens": int(self.metrics.restore_choice.value(("recomputed",))),
+                              "not_fetched_tokens": int(self.metrics.restore_choice.value(("not_fetched",))),
+                              **store.rates.snapshot()}
             out["metrics"] = self.metrics.snapshot()  # every counter and histogram (tiered_kv/metrics/)
             # the shared remote tier: hits, misses, bytes in and out, errors, latency (None: off)
             out["remote"] = store.remote.stats() if store.remote is not None else None

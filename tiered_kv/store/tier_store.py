@@ -45,6 +45,7 @@ from ..remote import RemoteTier
 from ..scheduler import MemScheduler
 from ..scheduler.access_log import AccessLog
 from ..scheduler.mem_scheduler import Watermarks
+from ..scheduler.restore import Rates
 from ..tiers.cold_files import ColdDirectory
 from . import building, durability
 from .building import STAGING_BYTES
@@ -91,7 +92,8 @@ class TierStore:
         self.state = StoreState(self.metrics)
         self.state.on_collected = lambda owner: self.opening.forget(owner)  # a bank the collector took
         settings = self.config.scheduler
-        self.access_log = AccessLog(settings.ali_window, settings.default_cost_sensitivity)
+        self.access_log = AccessLog(settings.ali_window, settings.default_cost_sensitivity, settings.half_life_turns)
+        self.rates = Rates()  # read rates and the prefill cost, measured: what a turn restores (restore.py)
         self.scheduler = MemScheduler(settings, self.access_log)
         self.compaction = HotCompaction(self.state, self.access_log, settings)
         self.reporting = Reporting(self)
@@ -205,7 +207,7 @@ class TierStore:
         self.state.bind(tiers, pools)
         tier_block_bytes = [stored.block_bytes for stored in building.stored_layouts(self.config, layout)]
         self.transfers = Transfers(self.state, self.copy_engine, self.metrics, self.link_monitor, tier_block_bytes,
-                                   staging)
+                                   staging, self.rates)
         self.demand = DemandMoves(self.lock, self.state, self.transfers)
         self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.metrics)
         self.layout, self.dtype = layout, dtype
@@ -314,9 +316,9 @@ class TierStore:
         """Bring blocks up (hot first), now; returns the ids found corrupt on the way (never served)."""
         return self.placement.promote(block_ids, owner)
 
-    def prefetch(self, owner: int, block_ids: list[int]) -> None:
+    def prefetch(self, owner: int, block_ids: list[int], deadline_s: float | None = None) -> None:
         """Bring `owner`'s blocks up in the background and return at once (without a mover: now)."""
-        self.placement.prefetch(owner, block_ids)
+        self.placement.prefetch(owner, block_ids, deadline_s)
 
     def demote(self, block_ids: list[int], dst_tier: int) -> list[int]:
         """Move blocks down to `dst_tier` (WARM or COLD) as far as room allows; returns corrupt ids."""

@@ -28,7 +28,7 @@ import logging
 import time
 
 from ..block_index import BlockEntry
-from ..blocks import COLD, DROPPED, HOT, TIER_NAMES
+from ..blocks import COLD, DROPPED, HOT, TIER_NAMES, WARM
 from ..hw.block_io import ColdWriteError
 from ..hw.copy_engine import CopyEvent
 from ..logs import Throttle
@@ -47,16 +47,16 @@ RUNS_FROM_BLOCKS = 8  # a batch of this many moves into warm takes its slots in 
 
 class Transfers:
     def __init__(self, state: StoreState, engine, metrics: Metrics, link_monitor, tier_block_bytes: list[int],
-                 staging: dict):
+                 staging: dict, rates=None):
         self.state = state
         self.engine = engine
         self.metrics = metrics
         self.link_monitor = link_monitor
-        # per (source, destination) tier, the bytes one block's move carries: the smaller of the two
-        # tiers' blocks (a compressed tier's cross packed, expanded or packed on the other side)
+        # per (source, destination) tier, the bytes a block's move carries: the smaller tier's block
         self.moved_bytes = {(s, d): min(a, b) for s, a in enumerate(tier_block_bytes)
                             for d, b in enumerate(tier_block_bytes)}
         self.staging = staging  # mode -> copies.Staging (host staging, device staging, reader)
+        self.rates = rates  # scheduler.restore.Rates: read rates measured here (cold reads, warm moves)
         self._failure_warnings = Throttle(log)
         self.closed = False  # after close(): nothing is prepared any more
 
@@ -179,7 +179,7 @@ class Transfers:
             staging.wait_idle()
             try:
                 batch.event = self.engine.submit(lambda: copies.run(tiers, transfers, staging, self.engine,
-                                                                    self.metrics))
+                                                                    self.metrics, self.rates))
             except BaseException as interrupt:  # (an interrupt: the copies issued so far keep their event)
                 batch.event = getattr(interrupt, "copy_event", None)
                 raise
@@ -300,11 +300,13 @@ class Transfers:
             self.link_monitor.record(num_bytes)
 
     def _observe_copy_seconds(self, batch: TransferBatch, directions) -> None:
-        """Seconds from launch to complete, once per direction that landed."""
+        """Seconds from launch to complete per direction that landed (only warm -> hot: a warm read rate)."""
         if batch.started_s:
             elapsed = time.perf_counter() - batch.started_s
             for src, dst in directions:
                 self.metrics.copy_seconds.observe((TIER_NAMES[src], TIER_NAMES[dst]), elapsed)
+            if self.rates is not None and list(directions) == [(WARM, HOT)]:
+                self.rates.note_read("warm", directions[(WARM, HOT)] * self.moved_bytes[(WARM, HOT)], elapsed)
 
     def close(self) -> None:
         """Wait for every copy issued, then stop the engine and the staging readers."""

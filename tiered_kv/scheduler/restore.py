@@ -1,0 +1,96 @@
+"""Load or recompute: what a turn restores from the tiers, decided per turn. No torch.
+
+`Rates` keeps rolling estimates the store measures from its own work: each source's read
+throughput (bytes/s; warm, cold, the other processes' cold files, the remote tier) and the
+model's prefill cost (seconds per token). `restore_blocks` then picks, for a stored prefix whose
+blocks lie in various tiers, how many leading blocks to restore: loading block i costs its bytes
+over its source's rate (nothing when it is hot already), recomputing costs the prefix's tokens
+from there on at the prefill rate; the best cut minimizes the sum. A prefix on a fast tier is
+restored whole (loads are ~20x cheaper than prefill on local disks); on a slow remote or a cold disk
+under contention, the expensive tail is recomputed instead.
+
+Until a source's rate and the prefill rate have both been measured, nothing is recomputed by
+choice (`scheduler.restore: auto` then behaves as `always`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+SOURCES = ("warm", "cold", "peer", "remote")
+EWMA_WEIGHT = 0.3  # of a new measurement: a few reads make a rate, a disk that slows shows within ~3
+MIN_SAMPLE_BYTES = 4096  # smaller reads time mostly their fixed costs (a round trip): not a rate
+MIN_PREFILL_TOKENS = 8  # shorter steps (decode) are not a prefill rate
+
+
+class Rates:
+    """Rolling read rates per source and the prefill cost; thread-safe (steps and movers feed it)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._bytes_per_s: dict[str, float] = {}
+        self._latency_s: dict[str, float] = {}  # per fetch (a round trip), for sources that have one
+        self._prefill_s_per_token: float | None = None
+
+    def note_read(self, source: str, num_bytes: int, seconds: float, fixed_s: float | None = None) -> None:
+        """A read of `num_bytes` from `source` took `seconds` (`fixed_s`: the part of it that does
+        not grow with the bytes, e.g. a network round trip, when known)."""
+        if seconds <= 0:
+            return
+        with self._lock:
+            if num_bytes < MIN_SAMPLE_BYTES:  # a small read times its fixed costs: a round trip
+                if fixed_s is None and source in ("remote", "peer"):
+                    self._latency_s[source] = _ewma(self._latency_s.get(source), seconds)
+                return
+            if fixed_s is None:
+                fixed_s = self._latency_s.get(source)
+            variable_s = max(seconds - (fixed_s or 0.0), seconds * 0.05)
+            self._bytes_per_s[source] = _ewma(self._bytes_per_s.get(source), num_bytes / variable_s)
+
+    def note_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens < MIN_PREFILL_TOKENS or seconds <= 0:
+            return
+        with self._lock:
+            self._prefill_s_per_token = _ewma(self._prefill_s_per_token, seconds / num_tokens)
+
+    def load_seconds(self, source: str, num_bytes: int, num_fetches: int = 1) -> float | None:
+        """Estimated seconds to read `num_bytes` from `source`; None while unmeasured."""
+        with self._lock:
+            rate = self._bytes_per_s.get(source)
+            latency = self._latency_s.get(source, 0.0)
+        return None if rate is None else num_fetches * latency + num_bytes / rate
+
+    def recompute_seconds(self, num_tokens: int) -> float | None:
+        with self._lock:
+            per_token = self._prefill_s_per_token
+        return None if per_token is None else num_tokens * per_token
+
+    def snapshot(self) -> dict:
+        """For stats(): each source's MB/s and round trip (ms), and the prefill's ms per token."""
+        with self._lock:
+            return {"read_mb_per_s": {s: r / 1e6 for s, r in self._bytes_per_s.items()},
+                    "round_trip_ms": {s: v * 1e3 for s, v in self._latency_s.items()},
+                    "prefill_ms_per_token": None if self._prefill_s_per_token is None
+                    else self._prefill_s_per_token * 1e3}
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new
+
+
+def restore_blocks(load_seconds: list[float | None], recompute_s_per_block: float | None) -> int:
+    """How many leading blocks of a stored prefix to restore (the rest is recomputed).
+
+    `load_seconds[i]`: what bringing block i to where the step reads it costs (0 when it is there
+    already; None when unknown: counted as free, so an unmeasured source is always restored).
+    Restoring blocks 0..k-1 and recomputing k.. costs sum(load[:k]) + (n - k) * recompute; the
+    smallest such k wins ties (fewer bytes moved for the same time)."""
+    if recompute_s_per_block is None or not load_seconds:
+        return len(load_seconds)
+    best_k, best_cost = 0, len(load_seconds) * recompute_s_per_block
+    cost = best_cost
+    for i, load in enumerate(load_seconds):
+        cost += (load or 0.0) - recompute_s_per_block
+        if cost < best_cost - 1e-12:
+            best_k, best_cost = i + 1, cost
+    return best_k
