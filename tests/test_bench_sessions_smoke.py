@@ -95,11 +95,15 @@ def test_sessions_bench_smallest_size(tmp_path):
                                                for b in ("hot", "warm", "cold") if a != b}
         assert set(summary["moves"]) == {"promotions", "demotions", "evictions"}
         assert set(summary["critical_path_s"]) == {"move_s", "demote_s", "promote_s"}
+        restore = summary["restore"]  # the load-or-recompute split (issue 22)
+        assert restore["mode"] == "auto" and restore["restored_tokens"] > 0 and restore["recomputed_tokens"] >= 0
     for name in ("ideal", "recompute"):
         for key in ("mean_s", "p50_s", "p95_s"):
             assert _positive(result["baselines"][name]["ttft"]["all_turns"][key]), (name, key)
     assert result["baselines"]["recompute"]["tokens_match"] is True
-    assert set(result["targets"]) == {"p95_vs_ideal", "recompute_vs_policy", "ali_vs_lru_hot_hit"}
+    assert set(result["targets"]) == {"p95_vs_ideal", "recompute_vs_policy", "ali_vs_lru_hot_hit", "default_vs_lru"}
+    default = result["targets"]["default_vs_lru"]
+    assert default["policy"] == "lru" and default["met"] is None  # lru is the default: nothing to beat
     assert set(result["targets"]["p95_vs_ideal"]["per_policy"]) == set(ran)
 
     if _has_matplotlib():

@@ -341,15 +341,16 @@ def _skewed_and_bursty(policy_log: AccessLog, pattern: list[int]) -> None:
 
 def test_ali_follows_heat_where_popular_chats_keep_chatting_and_recency_where_they_leave():
     # skew: chat 0 speaks every other turn between one-off chats -> heat predicts better
-    skew = scheduler("ali", window=10, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
+    skew = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
     _skewed_and_bursty(skew.access_log, [0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8])
     assert skew.access_log.heat_predicts_better
     # bursts: each chat speaks a few times, then leaves for good -> recency predicts better
-    bursts = scheduler("ali", window=10, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
+    bursts = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
     _skewed_and_bursty(bursts.access_log, [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4 + [5] * 4)
     assert not bursts.access_log.heat_predicts_better
     # a full hot tier of 3: a block chat 0 (popular under skew) read longest ago, then a block of a
-    # one-off chat, then one of the last speaker: LRU takes the first, heat the one-off chat's
+    # one-off chat, then one of the last speaker (in use: read within a quarter of the window, kept
+    # by both): LRU takes the first, heat the one-off chat's
     for sched, popular_owner, lru_wins in ((skew, 0, False), (bursts, 6, True)):
         index = BlockIndex()
         first, one_off, last = index.add(HOT, 0), index.add(HOT, 1), index.add(HOT, 2)

@@ -41,6 +41,7 @@ from .access_log import AccessLog
 from .plan import COLD, DROPPED, HOT, WARM, Move, Plan
 
 
+_IN_USE = 1e9  # added to the heat of blocks a chat is using now
 _NEVER_READ = -1e9  # the heat value of a block no turn touched yet (below any real one; exact + CS bonus)
 
 
@@ -81,8 +82,13 @@ class _Values:
         return self._heat(ids)
 
     def _heat(self, ids: np.ndarray) -> np.ndarray:
-        heat = self.log.heat(ids)
-        return np.where(np.isfinite(heat), heat, _NEVER_READ)
+        """Turn heat, and above every heat the blocks a chat is using now (read within the last
+        quarter of the ALI window: a chat mid-turn keeps its blocks whatever its heat)."""
+        log = self.log
+        heat = log.heat(ids)
+        heat = np.where(np.isfinite(heat), heat, _NEVER_READ)
+        in_use = log.last_read_step(ids) >= log.now - max(1, log.window_steps // 4)
+        return np.where(in_use, heat + _IN_USE, heat)
 
     def _sorted(self, ids: np.ndarray) -> list[int]:
         second = self.tiebreak(ids)
