@@ -40,11 +40,14 @@ def test_rates_are_rolling_and_small_reads_are_round_trips():
     rates.note_read("remote", 100, 0.02)  # a small fetch: its time is the round trip
     rates.note_read("remote", 10**7, 0.12)  # 0.1 s for 10 MB once the round trip is taken off
     assert rates.load_seconds("remote", 10**7) == pytest.approx(0.02 + 0.1)
-    rates.note_prefill(100, 0.5)
-    rates.note_prefill(1, 10.0)  # a decode step: not a prefill rate
+    rates.note_step(100, 0.5)  # no decode step measured yet: all of it counts per token
     assert rates.recompute_seconds(10) == pytest.approx(0.05)
-    snapshot = rates.snapshot()
-    assert snapshot["prefill_ms_per_token"] == pytest.approx(5.0) and set(snapshot["read_mb_per_s"]) == {"cold", "remote"}
+    rates = Rates()
+    rates.note_step(1, 0.1)  # a decode step: the fixed cost of any step
+    rates.note_step(100, 0.6)  # 0.5 s beyond it for 100 tokens
+    rates.note_step(4, 0.5)  # too short to be a prefill rate
+    assert rates.recompute_seconds(10) == pytest.approx(0.05)
+    assert rates.snapshot()["prefill_ms_per_token"] == pytest.approx(5.0)
 
 
 # ---- through a bank --------------------------------------------------------------------------------

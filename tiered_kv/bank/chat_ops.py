@@ -202,9 +202,8 @@ class ChatOps:
         starts typing). Returns at once: the store's background mover moves them, most recent
         first, ahead of its other background work, and gives up `deadline_s` seconds from now
         (None: once all are up). A turn that begins meanwhile takes the prefetch over: it waits
-        for the blocks in flight and moves the rest itself. The policy counts the coming turn now
-        (scheduler.policy ali). With `scheduler.background: false` the blocks come up before this
-        returns."""
+        for the blocks in flight and moves the rest itself. With `scheduler.background: false`
+        the blocks come up before this returns."""
         self._check_open()
         self._abandon_step()
         if deadline_s is not None and not deadline_s >= 0:

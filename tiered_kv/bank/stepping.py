@@ -236,9 +236,9 @@ class Stepping:
         """Tokens computed by kind; the turn's time to first token at the end of its first forward;
         a prefill's seconds per token (what recomputing costs: scheduler/restore.py)."""
         metrics = self.store.metrics
-        if step.num_new_tokens > 1 and step.computing_s:
-            self.store.rates.note_prefill(step.num_new_tokens * len(self._rows) // self._num_groups,
-                                          time.perf_counter() - step.computing_s)
+        if step.computing_s:
+            self.store.rates.note_step(step.num_new_tokens * len(self._rows) // self._num_groups,
+                                       time.perf_counter() - step.computing_s)
         metrics.tokens_computed.inc(("prefill" if step.num_new_tokens > 1 else "decode",),
                                     step.num_new_tokens * len(self._rows))
         if self._turn_started_s is not None:

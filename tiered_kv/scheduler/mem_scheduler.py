@@ -41,10 +41,6 @@ from .access_log import AccessLog
 from .plan import COLD, DROPPED, HOT, WARM, Move, Plan
 
 
-_IN_USE = 1e9  # added to the heat of blocks a chat is using now
-_NEVER_READ = -1e9  # the heat value of a block no turn touched yet (below any real one; exact + CS bonus)
-
-
 @dataclass(frozen=True)
 class Watermarks:
     """Per tier, in blocks: above `high` the mover demotes down to `low`."""
@@ -60,54 +56,29 @@ class _Values:
         self.scheduler, self.index, self.log = scheduler, index, scheduler.access_log
 
     def of(self, ids: np.ndarray) -> np.ndarray:
-        """Each block's value (primary key; `order` breaks its ties by `tiebreak`)."""
         policy, log, window = self.scheduler.policy, self.log, self.log.window_steps
-        if policy == "ali" and log.heat_predicts_better:
-            return self._heat(ids) + self.scheduler.cs_weight * log.cost_sensitivity(ids)
-        if policy in ("lru", "ali"):  # ali while recency predicts turns better: LRU, ties by heat
+        if policy == "lru":
             base = np.maximum(log.last_read_step(ids), np.asarray(self.index.arrival_steps(ids), dtype=np.int64))
         elif policy == "fifo":
             base = np.asarray(self.index.arrival_steps(ids), dtype=np.int64)
-        else:  # lfu
+        elif policy == "lfu":
             base = log.num_reads(ids)
+        else:  # ali
+            base = log.ali(ids) * window
         return base + self.scheduler.cs_weight * window * log.cost_sensitivity(ids)
-
-    def tiebreak(self, ids: np.ndarray) -> np.ndarray | None:
-        """ali's second key: heat under recency and recency under heat; None: recency order."""
-        if self.scheduler.policy != "ali":
-            return None
-        log = self.log
-        if log.heat_predicts_better:
-            return np.maximum(log.last_read_step(ids), np.asarray(self.index.arrival_steps(ids), dtype=np.int64))
-        return self._heat(ids)
-
-    def _heat(self, ids: np.ndarray) -> np.ndarray:
-        """Turn heat, and above every heat the blocks a chat is using now (read within the last
-        quarter of the ALI window: a chat mid-turn keeps its blocks whatever its heat)."""
-        log = self.log
-        heat = log.heat(ids)
-        heat = np.where(np.isfinite(heat), heat, _NEVER_READ)
-        in_use = log.last_read_step(ids) >= log.now - max(1, log.window_steps // 4)
-        return np.where(in_use, heat + _IN_USE, heat)
-
-    def _sorted(self, ids: np.ndarray) -> list[int]:
-        second = self.tiebreak(ids)
-        if second is None:
-            return ids[np.argsort(self.of(ids), kind="stable")].tolist()
-        return ids[np.lexsort((second, self.of(ids)))].tolist()  # (lexsort is stable: recency order last)
 
     def order(self, tier: int) -> list[int]:
         """Blocks of `tier`, least valuable first (ties: least recently used first)."""
         ids = np.fromiter(self.index.recency(tier), dtype=np.int64, count=self.index.count_in(tier))
         if not len(ids):
             return []
-        return self._sorted(ids)
+        return ids[np.argsort(self.of(ids), kind="stable")].tolist()
 
     def unreferenced_order(self, tier: int) -> list[int]:
         ids = np.fromiter(self.index.unreferenced(tier), dtype=np.int64)
         if not len(ids):
             return []
-        return self._sorted(ids)
+        return ids[np.argsort(self.of(ids), kind="stable")].tolist()
 
 
 class _Simulation:
@@ -224,7 +195,7 @@ class MemScheduler:
         self.policy = settings.policy
         self.cs_weight = settings.cs_weight
         self.access_log = access_log if access_log is not None else AccessLog(
-            settings.ali_window, settings.default_cost_sensitivity, settings.half_life_turns)
+            settings.ali_window, settings.default_cost_sensitivity)
 
     def _simulation(self, index, free_slots, capacities, movable) -> _Simulation:
         return _Simulation(index, free_slots, capacities, movable, _Values(self, index))
@@ -341,7 +312,7 @@ class MemScheduler:
         sim = self._simulation(index, free_slots, capacities, _movable(frozenset(), is_pinned))
         self._demote_over_watermarks(sim, index, capacities, watermarks, max_moves)
         self._demote_idle(sim, index, capacities, max_moves)
-        if self.policy == "ali" and self.settings.ali_promote:
+        if self.policy == "ali":
             self._promote_by_score(sim, index, capacities, watermarks, max_moves)
         return Plan(moves=sim.moves)
 

@@ -2,7 +2,8 @@
 
 `Rates` keeps rolling estimates the store measures from its own work: each source's read
 throughput (bytes/s; warm, cold, the other processes' cold files, the remote tier) and the
-model's prefill cost (seconds per token). `restore_blocks` then picks, for a stored prefix whose
+model's prefill cost per token beyond a step's fixed cost (a 16-token prefill costs about a decode
+step; what more tokens add is what recomputing a prefix costs). `restore_blocks` then picks, for a stored prefix whose
 blocks lie in various tiers, how many leading blocks to restore: loading block i costs its bytes
 over its source's rate (nothing when it is hot already), recomputing costs the prefix's tokens
 from there on at the prefill rate; the best cut minimizes the sum. A prefix on a fast tier is
@@ -30,7 +31,8 @@ class Rates:
         self._lock = threading.Lock()
         self._bytes_per_s: dict[str, float] = {}
         self._latency_s: dict[str, float] = {}  # per fetch (a round trip), for sources that have one
-        self._prefill_s_per_token: float | None = None
+        self._prefill_s_per_token: float | None = None  # marginal: beyond a step's fixed cost
+        self._step_s: float | None = None  # a one-token (decode) step: the fixed cost of any step
 
     def note_read(self, source: str, num_bytes: int, seconds: float, fixed_s: float | None = None) -> None:
         """A read of `num_bytes` from `source` took `seconds` (`fixed_s`: the part of it that does
@@ -47,11 +49,18 @@ class Rates:
             variable_s = max(seconds - (fixed_s or 0.0), seconds * 0.05)
             self._bytes_per_s[source] = _ewma(self._bytes_per_s.get(source), num_bytes / variable_s)
 
-    def note_prefill(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens < MIN_PREFILL_TOKENS or seconds <= 0:
+    def note_step(self, num_tokens: int, seconds: float) -> None:
+        """A forward step computed `num_tokens` new tokens (per row) in `seconds`. A step costs a
+        fixed part (a decode step's time, measured from one-token steps) plus a part per token: only
+        that marginal part is what recomputing more tokens in a turn's prefill adds."""
+        if seconds <= 0:
             return
         with self._lock:
-            self._prefill_s_per_token = _ewma(self._prefill_s_per_token, seconds / num_tokens)
+            if num_tokens == 1:
+                self._step_s = _ewma(self._step_s, seconds)
+            elif num_tokens >= MIN_PREFILL_TOKENS:
+                marginal = max(seconds - (self._step_s or 0.0), seconds * 0.1) / num_tokens
+                self._prefill_s_per_token = _ewma(self._prefill_s_per_token, marginal)
 
     def load_seconds(self, source: str, num_bytes: int, num_fetches: int = 1) -> float | None:
         """Estimated seconds to read `num_bytes` from `source`; None while unmeasured."""
