@@ -40,14 +40,18 @@ def test_rates_are_rolling_and_small_reads_are_round_trips():
     rates.note_read("remote", 100, 0.02)  # a small fetch: its time is the round trip
     rates.note_read("remote", 10**7, 0.12)  # 0.1 s for 10 MB once the round trip is taken off
     assert rates.load_seconds("remote", 10**7) == pytest.approx(0.02 + 0.1)
-    rates.note_step(100, 0.5)  # no decode step measured yet: all of it counts per token
+    rates.note_step(100, 0.5)  # one prefill, no decode step yet: all of it counts per token
     assert rates.recompute_seconds(10) == pytest.approx(0.05)
     rates = Rates()
     rates.note_step(1, 0.1)  # a decode step: the fixed cost of any step
     rates.note_step(100, 0.6)  # 0.5 s beyond it for 100 tokens
     rates.note_step(4, 0.5)  # too short to be a prefill rate
     assert rates.recompute_seconds(10) == pytest.approx(0.05)
-    assert rates.snapshot()["prefill_ms_per_token"] == pytest.approx(5.0)
+    rates = Rates()  # prefills of two lengths: the slope of time over tokens, not their average
+    rates.note_step(16, 0.1 + 16 * 0.002)
+    rates.note_step(256, 0.1 + 256 * 0.002)
+    assert rates.recompute_seconds(100) == pytest.approx(0.2)
+    assert rates.snapshot()["prefill_ms_per_token"] == pytest.approx(2.0)
 
 
 # ---- through a bank --------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ SOURCES = ("warm", "cold", "peer", "remote")
 EWMA_WEIGHT = 0.3  # of a new measurement: a few reads make a rate, a disk that slows shows within ~3
 MIN_SAMPLE_BYTES = 4096  # smaller reads time mostly their fixed costs (a round trip): not a rate
 MIN_PREFILL_TOKENS = 8  # shorter steps (decode) are not a prefill rate
+FIT_FORGET = 0.8  # each prefill's weight in the prefill-cost fit shrinks by this at every later one
 
 
 class Rates:
@@ -32,6 +33,7 @@ class Rates:
         self._bytes_per_s: dict[str, float] = {}
         self._latency_s: dict[str, float] = {}  # per fetch (a round trip), for sources that have one
         self._prefill_s_per_token: float | None = None  # marginal: beyond a step's fixed cost
+        self._fit = [0.0] * 5  # weighted sums over prefills: 1, n, n^2, seconds, n * seconds
         self._step_s: float | None = None  # a one-token (decode) step: the fixed cost of any step
 
     def note_read(self, source: str, num_bytes: int, seconds: float, fixed_s: float | None = None) -> None:
@@ -51,16 +53,29 @@ class Rates:
 
     def note_step(self, num_tokens: int, seconds: float) -> None:
         """A forward step computed `num_tokens` new tokens (per row) in `seconds`. A step costs a
-        fixed part (a decode step's time, measured from one-token steps) plus a part per token: only
-        that marginal part is what recomputing more tokens in a turn's prefill adds."""
+        fixed part plus a part per token, and only the per-token part is what recomputing more
+        tokens in a turn's prefill adds: it is the slope of a line fitted to the recent prefills
+        (weighted least squares, older ones fading), or, while they all had one length, what is
+        left of a prefill after a decode step's time, per token."""
         if seconds <= 0:
             return
         with self._lock:
             if num_tokens == 1:
                 self._step_s = _ewma(self._step_s, seconds)
-            elif num_tokens >= MIN_PREFILL_TOKENS:
-                marginal = max(seconds - (self._step_s or 0.0), seconds * 0.1) / num_tokens
-                self._prefill_s_per_token = _ewma(self._prefill_s_per_token, marginal)
+                return
+            if num_tokens < MIN_PREFILL_TOKENS:
+                return
+            fit = [FIT_FORGET * v for v in self._fit]
+            for k, value in enumerate((1.0, num_tokens, num_tokens ** 2, seconds, num_tokens * seconds)):
+                fit[k] += value
+            self._fit = fit
+            s0, s1, s2, sy, sny = fit
+            average = sy / s1  # seconds per token over the recent prefills, all costs included
+            det = s0 * s2 - s1 * s1
+            slope = (s0 * sny - s1 * sy) / det if det > 1e-9 * s0 * s2 else None
+            if slope is None:  # one length so far: take a decode step's time off
+                slope = (seconds - (self._step_s or 0.0)) / num_tokens
+            self._prefill_s_per_token = min(max(slope, 0.1 * average), average)
 
     def load_seconds(self, source: str, num_bytes: int, num_fetches: int = 1) -> float | None:
         """Estimated seconds to read `num_bytes` from `source`; None while unmeasured."""
