@@ -116,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm-fraction", type=float, default=1.0,
                         help="warm tier budget as a share of those blocks (cold always holds all of them)")
     parser.add_argument("--policies", default=",".join(ALLOWED_POLICIES), help="scheduler policies, comma-separated")
+    parser.add_argument("--restore", choices=("auto", "always"), default="auto",
+                        help="scheduler.restore of the policies' stores (auto: restore only what loads faster "
+                             "than it recomputes)")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="call bank.prefetch() when a chat's think time starts")
     parser.add_argument("--premium-chats", type=int, default=0,
@@ -291,7 +294,7 @@ def store_config(policy: str, budget: dict, args, device: str, cold_path: str) -
         "hot": {"device": device, "capacity_blocks": budget["hot_blocks"]},
         "warm": {"capacity_blocks": budget["warm_blocks"]},
         "cold": {"capacity_blocks": budget["cold_blocks"], "path": cold_path},
-        "scheduler": {"policy": policy},
+        "scheduler": {"policy": policy, "restore": args.restore},
     }
 
 

@@ -299,6 +299,7 @@ def test_a_chats_newest_block_scores_like_its_oldest():
 
 
 def test_restore_mode_is_checked():
-    assert SchedulerConfig().restore == "auto" and SchedulerConfig(restore="always").restore == "always"
+    # always by default: a stored prefix is restored, as before there was a choice
+    assert SchedulerConfig().restore == "always" and SchedulerConfig(restore="auto").restore == "auto"
     with pytest.raises(ConfigError, match=r"'scheduler.restore': got 'sometimes'.*'auto' or 'always'"):
         load_config({"scheduler": {"restore": "sometimes"}})

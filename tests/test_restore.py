@@ -24,7 +24,10 @@ def test_restore_blocks_takes_the_cheapest_cut():
     assert restore_blocks([2.0, 2.0, 2.0], 1.0) == 0  # a slow tier: recompute it all
     assert restore_blocks([0.0, 0.0, 3.0, 3.0], 1.0) == 2  # hot head, slow tail
     assert restore_blocks([3.0, 0.0, 0.0, 0.0], 1.0) == 4  # one slow block before three free ones pays off
-    assert restore_blocks([1.0, 1.0], 1.0) == 0  # a tie: fewer bytes moved
+    assert restore_blocks([1.0, 1.0], 1.0) == 2  # a tie: restored (recomputing must save enough)
+    assert restore_blocks([0.002, 0.002], 0.0) == 2  # saves 4 ms: under MIN_GAIN_S, restored
+    assert restore_blocks([0.1] * 10, 0.095) == 10  # saves 5%: under MIN_GAIN_SHARE, restored
+    assert restore_blocks([0.1] * 10, 0.08) == 0  # saves 20%, 0.2 s: recomputed
     assert restore_blocks([None, 5.0], 1.0) == 1  # unmeasured counts as free
     assert restore_blocks([5.0, 5.0], None) == 2  # no prefill rate yet: restore (today's behaviour)
     assert restore_blocks([], 1.0) == 0
@@ -107,7 +110,7 @@ def test_a_slow_cold_tier_is_recomputed_not_read_once_its_rate_is_known(mode, tm
 def test_a_fast_tier_is_restored_whole_under_auto(tmp_path):
     model = tiny_model("llama")
     config = tier_config("forces_cold", tmp_path / "cold")
-    config["scheduler"] = {"background": False}  # restore: auto is the default
+    config["scheduler"] = {"background": False, "restore": "auto"}
     store = tiered_kv.TierStore(config)
     bank = tiered_kv.CacheBank(model, store=store)
     out = greedy(model, rand_ids(5, 40), bank, 4)
@@ -127,7 +130,7 @@ def test_a_slow_peer_is_not_fetched_when_recomputing_is_faster(tmp_path):
     model = tiny_model("llama")
     config = tier_config("all_hot", tmp_path / "cold")
     config["cold"].update(capacity_blocks=256, write_behind_s=0.05)
-    config["scheduler"] = {"background": False}
+    config["scheduler"] = {"background": False, "restore": "auto"}
     owner = tiered_kv.TierStore(config)
     bank = tiered_kv.CacheBank(model, store=owner)
     out = greedy(model, rand_ids(8, 40), bank, 4)

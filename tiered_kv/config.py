@@ -279,7 +279,7 @@ class SchedulerConfig:
     cs_weight: float = 0.5
     default_cost_sensitivity: float = 0.5
     idle_steps: int = 1000  # a chat unread this many store steps has its hot blocks demoted; 0: never
-    restore: str = "auto"  # auto: a turn restores only the stored prefix that loads faster than it recomputes
+    restore: str = "always"  # auto: a turn restores only the stored prefix that loads faster than it recomputes
     background: bool = True  # run the background mover (prefetch, watermark demotion, compaction)
     mover_interval_s: float = 0.02  # how often the mover looks for work when nobody wakes it
     max_fragmentation: float = 0.5  # hot pool: 1 - largest free run / free slots, above which it repacks

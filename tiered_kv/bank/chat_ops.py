@@ -20,7 +20,7 @@ import torch
 
 from ..blocks import DROPPED, HOT, TIER_NAMES
 from ..identity import chain_keys
-from ..scheduler.restore import restore_blocks
+from ..scheduler.restore import is_worth_recomputing, restore_blocks
 from ..store.reporting import count_turn_start
 from .rows import Row, common_prefix_length
 
@@ -195,7 +195,7 @@ class ChatOps:
             estimates.append(store.rates.load_seconds("peer", num_blocks * store.peers.layout.block_bytes))
         if store.remote is not None:
             estimates.append(store.rates.load_seconds("remote", num_blocks * store.remote.value_bytes))
-        return bool(estimates) and all(e is not None and e > recompute for e in estimates)
+        return bool(estimates) and all(e is not None and is_worth_recomputing(e, recompute) for e in estimates)
 
     def prefetch(self, deadline_s: float | None = None) -> None:
         """Bring this chat's blocks up the tiers ahead of its next turn (call it when the user

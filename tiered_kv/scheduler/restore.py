@@ -11,7 +11,9 @@ restored whole (loads are ~20x cheaper than prefill on local disks); on a slow r
 under contention, the expensive tail is recomputed instead.
 
 Until a source's rate and the prefill rate have both been measured, nothing is recomputed by
-choice (`scheduler.restore: auto` then behaves as `always`).
+choice (`scheduler.restore: auto` then behaves as `always`); nor when recomputing would save less
+than MIN_GAIN_S and MIN_GAIN_SHARE of the load (a tiny model's sub-millisecond prefill against a
+local disk: the estimates' noise would decide, and a restored prefix is what a user expects).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ EWMA_WEIGHT = 0.3  # of a new measurement: a few reads make a rate, a disk that 
 MIN_SAMPLE_BYTES = 4096  # smaller reads time mostly their fixed costs (a round trip): not a rate
 MIN_PREFILL_TOKENS = 8  # shorter steps (decode) are not a prefill rate
 FIT_FORGET = 0.8  # each prefill's weight in the prefill-cost fit shrinks by this at every later one
+MIN_GAIN_S = 0.005  # recomputing by choice must save at least this much of a turn's time
+MIN_GAIN_SHARE = 0.1  # ... and this share of what loading everything would take: below both, the
+#                      estimates' noise decides, and a restored prefix is the result users expect
 
 
 class Rates:
@@ -108,7 +113,8 @@ def restore_blocks(load_seconds: list[float | None], recompute_s_per_block: floa
     `load_seconds[i]`: what bringing block i to where the step reads it costs (0 when it is there
     already; None when unknown: counted as free, so an unmeasured source is always restored).
     Restoring blocks 0..k-1 and recomputing k.. costs sum(load[:k]) + (n - k) * recompute; the
-    smallest such k wins ties (fewer bytes moved for the same time)."""
+    smallest such k wins ties (fewer bytes moved for the same time). The whole prefix is restored
+    unless the best cut saves what `is_worth_recomputing` asks."""
     if recompute_s_per_block is None or not load_seconds:
         return len(load_seconds)
     best_k, best_cost = 0, len(load_seconds) * recompute_s_per_block
@@ -117,4 +123,11 @@ def restore_blocks(load_seconds: list[float | None], recompute_s_per_block: floa
         cost += (load or 0.0) - recompute_s_per_block
         if cost < best_cost - 1e-12:
             best_k, best_cost = i + 1, cost
-    return best_k
+    return best_k if is_worth_recomputing(cost, best_cost) else len(load_seconds)
+
+
+def is_worth_recomputing(restore_all_s: float, instead_s: float) -> bool:
+    """Whether a plan that recomputes some stored tokens (`instead_s`) beats restoring them all
+    (`restore_all_s`) by enough: MIN_GAIN_S and MIN_GAIN_SHARE of the restore."""
+    gain_s = restore_all_s - instead_s
+    return gain_s >= MIN_GAIN_S and gain_s >= MIN_GAIN_SHARE * restore_all_s

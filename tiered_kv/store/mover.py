@@ -35,6 +35,7 @@ BATCH_BYTES = 16 * 2**20  # data moved per batch (bounds how long a step may fin
 COLD_BACKOFF_FIRST_S = 0.5  # after a failed write into cold, background moves into cold wait this long,
 COLD_BACKOFF_MAX_S = 30.0  # doubling up to this while they keep failing
 FAILED_MOVE_BACKOFF_S = 0.5  # a block whose background move failed is not planned again for this long
+QUEUE_YIELD_MAX_S = 0.05  # the longest the mover waits for a busy copy engine before it queues anyway
 
 
 class Mover:
@@ -55,6 +56,7 @@ class Mover:
         self.num_batches = 0
         self.num_cancelled = 0
         self.num_yielded = 0  # rounds the mover waited because a turn's own moves were under way
+        self._queue_busy_since: float | None = None  # when the copy engine was first seen busy, in a row
         self.num_expired = 0  # prefetch requests dropped at their deadline with blocks still below
         self.bytes_moved = 0
         self._cold_retry_at = 0.0
@@ -204,11 +206,19 @@ class Mover:
     def _turn_is_moving(self) -> bool:
         """A caller's own moves (a turn's room and history) are in flight, or the copy engine has
         units queued (it runs them in order: a background batch queued now would be ahead of the
-        next turn's). The queue-depth signal of every machine (NVML's link load is the GPU's)."""
+        next turn's). The queue-depth signal of every machine (NVML's link load is the GPU's). A
+        queue busy with units no turn is waiting for holds background back QUEUE_YIELD_MAX_S at most."""
         store = self.store
-        if store.copy_engine.queue_depth() > 0:
+        if any(t.batch.mode == ON_DEMAND and t.kind != BACKUP for t in store.state.in_flight.values()):
             return True
-        return any(t.batch.mode == ON_DEMAND and t.kind != BACKUP for t in store.state.in_flight.values())
+        if store.copy_engine.queue_depth() == 0:
+            self._queue_busy_since = None
+            return False
+        # units the store does not track (a long copy, someone else's work): wait a while, not forever
+        now = time.monotonic()
+        if self._queue_busy_since is None:
+            self._queue_busy_since = now
+        return now - self._queue_busy_since < QUEUE_YIELD_MAX_S
 
     def _prefetch_plan(self):
         """(the next batch of the oldest prefetch request still wanted, its leave-alone predicate),
