@@ -170,6 +170,36 @@ def test_over_the_high_watermark_hot_demotes_by_policy_down_to_the_low_one():
     assert moves == [Move(blocks[0], HOT, WARM), Move(blocks[1], HOT, WARM), Move(blocks[2], HOT, WARM)]
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "ali"])
+def test_a_chat_whose_turn_is_announced_keeps_its_blocks_until_its_step_reads_them(policy):
+    """A prefetch announces chat 0's turn while its user types. Its blocks (hot already, read
+    longest ago) are what every policy would demote first; the watermark demotion and a new
+    block's room take the others', and once chat 0's step reads them the policy orders them again."""
+    sched, index = scheduler(policy, window=100, idle_steps=0, cs_weight=0.0), BlockIndex()
+    blocks = fill(index, HOT, 5)
+    for owner, block_id in enumerate(blocks):  # five chats, one block each; chat 0 read first
+        step(sched, index, owner, [block_id])
+    sched.access_log.announce_turn(0, [blocks[0]])
+    assert sched.access_log.awaited(blocks).tolist() == [True, False, False, False, False]
+    moves = background(sched, index, [5, 10, 0], marks([4, 9, 0], [2, 8, 0]))
+    assert [m.block_id for m in moves] == blocks[1:4] and all(m.dst_tier == WARM for m in moves)
+    assert victims(sched, index, [5, 10, 0]) == [Move(blocks[1], HOT, WARM)]
+    step(sched, index, 0, [blocks[0]])  # its turn reads it: no longer awaited
+    assert not sched.access_log.awaited(blocks).any()
+
+
+def test_an_announced_turn_that_never_comes_lapses_after_the_window():
+    sched, index = scheduler("lru", window=3, idle_steps=0), BlockIndex()
+    blocks = fill(index, HOT, 2)
+    sched.access_log.announce_turn(7, [blocks[0]])
+    for _ in range(3):
+        step(sched, index, 1, [blocks[1]])
+    assert sched.access_log.awaited(blocks).tolist() == [True, False]
+    step(sched, index, 1, [blocks[1]])
+    assert sched.access_log.awaited(blocks).tolist() == [False, False]
+    assert victims(sched, index, [2, 10, 0]) == [Move(blocks[0], HOT, WARM)]
+
+
 def test_under_the_high_watermark_nothing_moves():
     sched, index = scheduler("lru", idle_steps=0), BlockIndex()
     fill(index, HOT, 4)
@@ -224,7 +254,9 @@ def test_idle_hot_blocks_go_to_warm_after_idle_steps_scaled_by_cs():
 
 
 def test_ali_brings_blocks_it_scores_hot_up_while_under_the_low_watermark():
-    sched, index = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0), BlockIndex()
+    """With scheduler.ali_promote (off by default: on the replayed 16-chat trace these speculative
+    moves undid prefetches and moved 2.5x lru's bytes)."""
+    sched, index = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0, ali_promote=True), BlockIndex()
     (hot_block,) = fill(index, HOT, 1)
     index.clock = 0
     spilled = [index.add(WARM, 0), index.add(WARM, 1), index.add(COLD, 0)]
@@ -233,6 +265,10 @@ def test_ali_brings_blocks_it_scores_hot_up_while_under_the_low_watermark():
     moves = background(sched, index, [4, 4, 4], marks([3, 4, 4], [2, 4, 4]))
     # hot fills only to its low mark (2 of 4: room stays for new turns); the cold one reaches warm
     assert moves == [Move(spilled[0], WARM, HOT), Move(spilled[2], COLD, WARM)]
+    off = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0)  # the default: no speculative promotion
+    for _ in range(4):
+        step(off, index, 1, spilled)
+    assert background(off, index, [4, 4, 4], marks([3, 4, 4], [2, 4, 4])) == []
 
 
 def test_background_plans_respect_max_moves_and_pins():
@@ -298,8 +334,68 @@ def test_a_chats_newest_block_scores_like_its_oldest():
     assert log.ali([0, 1, 2]).tolist() == pytest.approx([1.0, 1.0, 1.0])
 
 
-def test_restore_mode_is_checked():
-    # always by default: a stored prefix is restored, as before there was a choice
+# --- ali: turn heat, and which predictor it follows (issue 22) ---------------------------------------
+
+def turn(log: AccessLog, owner: int, block_ids, decode_steps: int = 0) -> None:
+    """One turn of chat `owner`: a prefill step, then `decode_steps` one-token steps."""
+    log.record_step(owner, set(block_ids), new_turn=True)
+    for _ in range(decode_steps):
+        log.record_step(owner, set(block_ids))
+
+
+def test_turn_heat_counts_turns_not_steps_and_halves_every_half_life():
+    log = AccessLog(window_steps=10, half_life_turns=1.0)
+    turn(log, 1, [0], decode_steps=5)  # a long reply: still one turn
+    turn(log, 2, [1])
+    assert log.turns == 2 and log.now == 7
+    assert log.heat_now([0, 1, 9]).tolist() == pytest.approx([0.25, 0.5, 0.0])
+    turn(log, 1, [0, 2])  # 0.25 decayed to 0.25 at its turn (2 turns after its first), plus one
+    assert log.heat_now([0, 2]).tolist() == pytest.approx([0.625, 0.625])  # its new block shares it
+
+
+def test_a_prefetch_counts_the_coming_turn_once_and_a_shared_prefix_keeps_the_hottest_heat():
+    log = AccessLog(window_steps=10, half_life_turns=100.0)
+    for _ in range(3):
+        turn(log, 1, [0, 1])  # chat 1 (three turns) shares block 0 with chat 2
+    log.announce_turn(2, [0, 2])  # chat 2's user starts typing: its turn counts now
+    turn(log, 2, [0, 2])  # ... not again at its first step
+    assert log.turns == 4
+    heat = log.heat_now([0, 1, 2])
+    assert heat[0] == pytest.approx(heat[1]) and heat[1] > 2.9 and heat[2] == pytest.approx(1.0, rel=0.02)
+
+
+def _skewed_and_bursty(policy_log: AccessLog, pattern: list[int]) -> None:
+    for owner in pattern:
+        turn(policy_log, owner, [100 + owner])
+
+
+def test_ali_follows_heat_where_popular_chats_keep_chatting_and_recency_where_they_leave():
+    # skew: chat 0 speaks every other turn between one-off chats -> heat predicts better
+    skew = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
+    _skewed_and_bursty(skew.access_log, [0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8])
+    assert skew.access_log.heat_predicts_better
+    # bursts: each chat speaks a few times, then leaves for good -> recency predicts better
+    bursts = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
+    _skewed_and_bursty(bursts.access_log, [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4 + [5] * 4)
+    assert not bursts.access_log.heat_predicts_better
+    # a full hot tier of 3: a block chat 0 (popular under skew) read longest ago, then a block of a
+    # one-off chat, then one of the last speaker (in use: read within a quarter of the window, kept
+    # by both): LRU takes the first, heat the one-off chat's
+    for sched, popular_owner, lru_wins in ((skew, 0, False), (bursts, 6, True)):
+        index = BlockIndex()
+        first, one_off, last = index.add(HOT, 0), index.add(HOT, 1), index.add(HOT, 2)
+        turn(sched.access_log, popular_owner, [first])
+        turn(sched.access_log, 9, [one_off])
+        turn(sched.access_log, 10, [last])
+        assert victims(sched, index, [3, 3, 0]) == [Move(first if lru_wins else one_off, HOT, WARM)]
+
+
+def test_half_life_and_restore_settings_are_checked():
+    # restore is always by default: a stored prefix is restored, as before there was a choice
     assert SchedulerConfig().restore == "always" and SchedulerConfig(restore="auto").restore == "auto"
+    with pytest.raises(ConfigError, match=r"'scheduler.half_life_turns'.*from 0.5"):
+        load_config({"scheduler": {"half_life_turns": 0}})
     with pytest.raises(ConfigError, match=r"'scheduler.restore': got 'sometimes'.*'auto' or 'always'"):
         load_config({"scheduler": {"restore": "sometimes"}})
+    with pytest.raises(ConfigError, match=r"'scheduler.ali_promote'"):
+        load_config({"scheduler": {"ali_promote": "yes"}})

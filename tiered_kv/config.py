@@ -271,7 +271,7 @@ class SchedulerConfig:
     `default_cost_sensitivity`) adds `cs_weight * CS` to a block's ALI-scale value under every
     policy, so high-CS chats stay hot longer and are the last victims.
     """
-    policy: str = "lru"
+    policy: str = "ali"
     ali_window: int = 100  # store steps
     ali_hot: float = 0.7
     ali_warm: float = 0.3
@@ -279,6 +279,8 @@ class SchedulerConfig:
     cs_weight: float = 0.5
     default_cost_sensitivity: float = 0.5
     idle_steps: int = 1000  # a chat unread this many store steps has its hot blocks demoted; 0: never
+    half_life_turns: float = 16.0  # `ali`: a chat's turn heat halves every this many turns of the store
+    ali_promote: bool = False  # `ali`: the mover also brings up blocks read lately whose ALI says hot
     restore: str = "always"  # auto: a turn restores only the stored prefix that loads faster than it recomputes
     background: bool = True  # run the background mover (prefetch, watermark demotion, compaction)
     mover_interval_s: float = 0.02  # how often the mover looks for work when nobody wakes it
@@ -299,6 +301,11 @@ class SchedulerConfig:
         if self.ali_warm > self.ali_hot:
             raise ConfigError(f"config key 'scheduler.ali_warm': got {self.ali_warm!r}, above 'scheduler.ali_hot' "
                               f"{self.ali_hot!r}; allowed: ali_warm <= ali_hot")
+        if not (isinstance(self.half_life_turns, (int, float)) and not isinstance(self.half_life_turns, bool)
+                and 0.5 <= self.half_life_turns <= 1e6):
+            raise _error("scheduler.half_life_turns", self.half_life_turns, "a number of turns from 0.5 to 1000000")
+        if not isinstance(self.ali_promote, bool):
+            raise _error("scheduler.ali_promote", self.ali_promote, "true or false")
         if self.restore not in RESTORE_MODES:
             raise _error("scheduler.restore", self.restore, _choices(RESTORE_MODES) + " (auto: restore only what loads "
                          "faster than recomputing it, from measured rates; always: every stored token)")

@@ -12,6 +12,25 @@ arrays that grow with the ids (ids are never reused):
   cost_sensitivity the highest CS among the chats that read it since it last went a whole
                    window unread (a shared prefix keeps its premium reader's CS); `default_cs`
                    for blocks nobody read yet
+  heat             (the `ali` policy) the highest *turn heat* among the chats that read it: a
+                   chat's heat is its count of turns, each decaying by half every
+                   `half_life_turns` turns of the whole store (LRFU at chat granularity, in turns,
+                   not steps: a long reply does not make its chat come back sooner). A chat's
+                   blocks share its heat, the ones of this turn as much as its first ones, and a
+                   prefix shared by several chats keeps the hottest one's. `bank.prefetch()` and
+                   `attach()` count as the chat's turn (its user is typing), the step that follows
+                   does not count it again. Kept as log2(heat) plus turns / half-life, so comparing
+                   two blocks never needs the decay worked out.
+
+A chat whose turn was announced keeps its blocks *awaited* until its next step reads them (or
+`window_steps` store steps pass): the scheduler never picks them as victims before blocks nobody
+awaits, under any policy. Without it the mover's watermark demotion took back what a prefetch
+had just brought up (or the announced chat's blocks that were hot already) while its user typed.
+
+At each turn the log also scores two predictors of who speaks next: heat and recency (the
+chat's last step). Each one's miss rate is the running share of the other chats it ranked above
+the chat that then spoke. Where popular chats keep chatting, heat wins; where they leave
+(finished conversations), recency does; `heat_predicts_better` says which, lately.
 
 Recording a step costs O(its blocks) in vectorized numpy; reading signals costs O(blocks asked).
 Per chat (step owner) it keeps its latest block tables, CS and last step, so the scheduler can
@@ -20,10 +39,13 @@ demote idle chats and the compactor can lay chats out in token order.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+PREDICTOR_EWMA = 0.1  # weight of one turn in the predictors' running miss rates
 
 
 @dataclass
@@ -34,15 +56,25 @@ class ChatRecord:
     cost_sensitivity: float = 0.5
     last_step: int = -1
     num_steps: int = 0
+    heat_key: float = float("-inf")  # log2(turn heat) + turns / half-life (see the module docstring)
+    turn_announced: bool = False  # a prefetch or attach counted the coming turn already
 
 
 class AccessLog:
-    def __init__(self, window_steps: int = 100, default_cs: float = 0.5):
+    def __init__(self, window_steps: int = 100, default_cs: float = 0.5, half_life_turns: float = 16.0):
         if window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
+        if not half_life_turns > 0:
+            raise ValueError(f"half_life_turns must be > 0, got {half_life_turns}")
         self.window_steps = window_steps
         self.default_cs = default_cs
+        self.half_life_turns = float(half_life_turns)
         self.now = 0  # store steps recorded so far
+        self.turns = 0  # turns begun so far (steps with new_turn, or announced by prefetch / attach)
+        # how badly each predictor ranked the chats that then took a turn (EWMA of the share of
+        # other chats ranked above the speaker): `ali` follows the better one
+        self.heat_miss = 0.5
+        self.recency_miss = 0.5
         self.chats: dict[int, ChatRecord] = {}
         self._window: deque[np.ndarray] = deque()  # block ids read by each of the last window_steps steps
         self._window_owners: deque[int] = deque()  # and whose step each was
@@ -52,15 +84,26 @@ class AccessLog:
         self._num_reads = np.zeros(0, dtype=np.int64)
         self._window_reads = np.zeros(0, dtype=np.int64)
         self._cs = np.zeros(0, dtype=np.float64)
+        self._heat = np.full(0, -np.inf, dtype=np.float64)
+        self._awaited: dict[int, tuple[int, np.ndarray]] = {}  # owner -> (step announced, its block ids)
 
     # ---- recording -------------------------------------------------------------------------
     def record_step(self, owner: int, block_ids, tables: list[list[int]] | None = None,
-                    cost_sensitivity: float | None = None) -> None:
-        """One store step of chat `owner` read `block_ids` (any iterable of ints, each once)."""
+                    cost_sensitivity: float | None = None, new_turn: bool = False) -> None:
+        """One store step of chat `owner` read `block_ids` (any iterable of ints, each once);
+        `new_turn`: it begins one of the chat's turns (a prefill)."""
         cs = self.default_cs if cost_sensitivity is None else float(cost_sensitivity)
         ids = np.fromiter(block_ids, dtype=np.int64)
+        chat = self.chats.setdefault(owner, ChatRecord())
+        self._awaited.pop(owner, None)  # its step reads them now: recency and use take over
+        if new_turn:
+            if chat.turn_announced:
+                chat.turn_announced = False
+            else:
+                self._count_turn(chat)
         if len(ids):
             self._grow(int(ids.max()) + 1)
+            self._heat[ids] = np.maximum(self._heat[ids], chat.heat_key)
             last = self._last_read[ids]
             recent = (last >= 0) & (last >= self.now - self.window_steps)
             self._cs[ids] = np.where(recent, np.maximum(self._cs[ids], cs), cs)
@@ -80,7 +123,6 @@ class AccessLog:
                 self._owner_window_steps[gone] = left
             else:
                 del self._owner_window_steps[gone]
-        chat = self.chats.setdefault(owner, ChatRecord())
         if tables is not None:
             chat.tables = tables
         chat.cost_sensitivity = cs
@@ -88,9 +130,37 @@ class AccessLog:
         chat.num_steps += 1
         self.now += 1
 
+    def announce_turn(self, owner: int, block_ids) -> None:
+        """`owner`'s next turn is coming (its prefetch, or attach): counted now, for its blocks too;
+        the turn's first step does not count it again."""
+        chat = self.chats.setdefault(owner, ChatRecord())
+        if not chat.turn_announced:
+            self._count_turn(chat)
+            chat.turn_announced = True
+        ids = np.fromiter(block_ids, dtype=np.int64)
+        self._awaited[owner] = (self.now, ids)
+        if len(ids):
+            self._grow(int(ids.max()) + 1)
+            self._heat[ids] = np.maximum(self._heat[ids], chat.heat_key)
+
+    def _count_turn(self, chat: ChatRecord) -> None:
+        """chat's heat: decayed to now, plus one; the store's turn clock advances. First, how well
+        each predictor saw this turn coming: the share of the other chats it ranked above this one."""
+        others = [c for c in self.chats.values() if c is not chat and c.last_step >= 0]
+        if others and chat.last_step >= 0:
+            by_heat = sum(c.heat_key > chat.heat_key for c in others) / len(others)
+            by_recency = sum(c.last_step > chat.last_step for c in others) / len(others)
+            self.heat_miss += PREDICTOR_EWMA * (by_heat - self.heat_miss)
+            self.recency_miss += PREDICTOR_EWMA * (by_recency - self.recency_miss)
+        now = self.turns / self.half_life_turns
+        decayed = 2.0 ** (chat.heat_key - now) if chat.heat_key > float("-inf") else 0.0
+        chat.heat_key = math.log2(decayed + 1.0) + now
+        self.turns += 1
+
     def forget_chat(self, owner: int) -> None:
         """The chat's bank closed or was collected: its tables are no longer a layout to keep."""
         self.chats.pop(owner, None)
+        self._awaited.pop(owner, None)
 
     def _grow(self, size: int) -> None:
         if size <= len(self._last_read):
@@ -102,6 +172,7 @@ class AccessLog:
         self._num_reads = np.concatenate((self._num_reads, np.zeros(extra, dtype=np.int64)))
         self._window_reads = np.concatenate((self._window_reads, np.zeros(extra, dtype=np.int64)))
         self._cs = np.concatenate((self._cs, np.full(extra, self.default_cs, dtype=np.float64)))
+        self._heat = np.concatenate((self._heat, np.full(extra, -np.inf, dtype=np.float64)))
 
     # ---- signals (arrays aligned with `ids`) ----------------------------------------------------
     def _take(self, array: np.ndarray, ids: np.ndarray, missing) -> np.ndarray:
@@ -134,6 +205,33 @@ class AccessLog:
         first = self._take(self._first_read, ids, -1)
         steps = np.clip(np.minimum(self.now - first, self.window_steps), 1, None)
         return np.where(first < 0, 0.0, self.window_reads(ids) / steps)
+
+    def heat(self, ids) -> np.ndarray:
+        """Each block's heat key (module docstring): higher is hotter, comparable across blocks at
+        any moment; -inf for blocks no chat's turn has touched (never read yet)."""
+        return self._take(self._heat, ids, -np.inf)
+
+    @property
+    def heat_predicts_better(self) -> bool:
+        """Whether turn heat has ranked the chats that then spoke above the others better than
+        recency has, lately (`ali` then orders victims by heat first, else by recency first)."""
+        return self.heat_miss < self.recency_miss
+
+    def heat_now(self, ids) -> np.ndarray:
+        """The heat itself: decayed turn counts now (for reports and tests)."""
+        keys = self.heat(ids)
+        return np.where(np.isfinite(keys), np.exp2(keys - self.turns / self.half_life_turns), 0.0)
+
+    def awaited(self, ids) -> np.ndarray:
+        """Whether each block belongs to a chat whose announced turn has not read it yet (module
+        docstring); announcements older than the window lapse (a user who never sent the turn)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        oldest = self.now - self.window_steps
+        for owner in [o for o, (since, _) in self._awaited.items() if since < oldest]:
+            del self._awaited[owner]
+        if not self._awaited:
+            return np.zeros(len(ids), dtype=bool)
+        return np.isin(ids, np.concatenate([b for _, b in self._awaited.values()]))
 
     def cost_sensitivity(self, ids) -> np.ndarray:
         return self._take(self._cs, ids, self.default_cs)

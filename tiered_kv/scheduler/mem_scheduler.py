@@ -41,6 +41,11 @@ from .access_log import AccessLog
 from .plan import COLD, DROPPED, HOT, WARM, Move, Plan
 
 
+_IN_USE = 1e9  # added to the heat of blocks a chat is using now
+_AWAITED = 1e15  # added to the value of blocks an announced turn awaits (above any other value)
+_NEVER_READ = -1e9  # the heat value of a block no turn touched yet (below any real one; exact + CS bonus)
+
+
 @dataclass(frozen=True)
 class Watermarks:
     """Per tier, in blocks: above `high` the mover demotes down to `low`."""
@@ -56,29 +61,59 @@ class _Values:
         self.scheduler, self.index, self.log = scheduler, index, scheduler.access_log
 
     def of(self, ids: np.ndarray) -> np.ndarray:
+        """Each block's value (primary key; `order` breaks its ties by `tiebreak`); the blocks an
+        announced turn awaits above all others."""
+        value = self._policy_value(ids)
+        return np.where(self.log.awaited(ids), value + _AWAITED, value)
+
+    def _policy_value(self, ids: np.ndarray) -> np.ndarray:
         policy, log, window = self.scheduler.policy, self.log, self.log.window_steps
-        if policy == "lru":
+        if policy == "ali" and log.heat_predicts_better:
+            return self._heat(ids) + self.scheduler.cs_weight * log.cost_sensitivity(ids)
+        if policy in ("lru", "ali"):  # ali while recency predicts turns better: LRU, ties by heat
             base = np.maximum(log.last_read_step(ids), np.asarray(self.index.arrival_steps(ids), dtype=np.int64))
         elif policy == "fifo":
             base = np.asarray(self.index.arrival_steps(ids), dtype=np.int64)
-        elif policy == "lfu":
+        else:  # lfu
             base = log.num_reads(ids)
-        else:  # ali
-            base = log.ali(ids) * window
         return base + self.scheduler.cs_weight * window * log.cost_sensitivity(ids)
+
+    def tiebreak(self, ids: np.ndarray) -> np.ndarray | None:
+        """ali's second key: heat under recency and recency under heat; None: recency order."""
+        if self.scheduler.policy != "ali":
+            return None
+        log = self.log
+        if log.heat_predicts_better:
+            return np.maximum(log.last_read_step(ids), np.asarray(self.index.arrival_steps(ids), dtype=np.int64))
+        return self._heat(ids)
+
+    def _heat(self, ids: np.ndarray) -> np.ndarray:
+        """Turn heat, and above every heat the blocks a chat is using now (read within the last
+        quarter of the ALI window: a chat mid-turn keeps its blocks whatever its heat)."""
+        log = self.log
+        heat = log.heat(ids)
+        heat = np.where(np.isfinite(heat), heat, _NEVER_READ)
+        in_use = log.last_read_step(ids) >= log.now - max(1, log.window_steps // 4)
+        return np.where(in_use, heat + _IN_USE, heat)
+
+    def _sorted(self, ids: np.ndarray) -> list[int]:
+        second = self.tiebreak(ids)
+        if second is None:
+            return ids[np.argsort(self.of(ids), kind="stable")].tolist()
+        return ids[np.lexsort((second, self.of(ids)))].tolist()  # (lexsort is stable: recency order last)
 
     def order(self, tier: int) -> list[int]:
         """Blocks of `tier`, least valuable first (ties: least recently used first)."""
         ids = np.fromiter(self.index.recency(tier), dtype=np.int64, count=self.index.count_in(tier))
         if not len(ids):
             return []
-        return ids[np.argsort(self.of(ids), kind="stable")].tolist()
+        return self._sorted(ids)
 
     def unreferenced_order(self, tier: int) -> list[int]:
         ids = np.fromiter(self.index.unreferenced(tier), dtype=np.int64)
         if not len(ids):
             return []
-        return ids[np.argsort(self.of(ids), kind="stable")].tolist()
+        return self._sorted(ids)
 
 
 class _Simulation:
@@ -195,7 +230,7 @@ class MemScheduler:
         self.policy = settings.policy
         self.cs_weight = settings.cs_weight
         self.access_log = access_log if access_log is not None else AccessLog(
-            settings.ali_window, settings.default_cost_sensitivity)
+            settings.ali_window, settings.default_cost_sensitivity, settings.half_life_turns)
 
     def _simulation(self, index, free_slots, capacities, movable) -> _Simulation:
         return _Simulation(index, free_slots, capacities, movable, _Values(self, index))
@@ -300,9 +335,10 @@ class MemScheduler:
         1. a tier fuller than its high watermark demotes its least valuable blocks down to its
            low watermark (warm first, so hot's victims find room there), one tier down (lower
            only when that one is full). A block whose score names its tier or a higher one
-           stays (a working set it would only fetch back). Unreferenced cached blocks with
-           nowhere to go are dropped.
-        2. hot blocks unread for `idle_steps` store steps (times 1 + CS) go to warm.
+           stays (a working set it would only fetch back), and so do the blocks an announced
+           turn awaits (a prefetch's, or the coming chat's already hot ones). Unreferenced
+           cached blocks with nowhere to go are dropped.
+        2. hot blocks unread for `idle_steps` store steps (times 1 + CS) go to warm (not awaited ones).
         3. under `ali`, warm and cold blocks read in the last tenth of the ALI window (a working
            set that spilled) whose score names a higher tier come up while that tier stays
            under its low watermark (most valuable first; the room between the low and high
@@ -312,7 +348,7 @@ class MemScheduler:
         sim = self._simulation(index, free_slots, capacities, _movable(frozenset(), is_pinned))
         self._demote_over_watermarks(sim, index, capacities, watermarks, max_moves)
         self._demote_idle(sim, index, capacities, max_moves)
-        if self.policy == "ali":
+        if self.policy == "ali" and self.settings.ali_promote:
             self._promote_by_score(sim, index, capacities, watermarks, max_moves)
         return Plan(moves=sim.moves)
 
@@ -329,13 +365,14 @@ class MemScheduler:
                 continue
             order = sim.values.order(tier)
             targets = dict(zip(order, self.target_tiers(order).tolist())) if order else {}
+            awaited = set(np.asarray(order, dtype=np.int64)[self.access_log.awaited(order)].tolist()) if order else set()
             for block_id in order:
                 if used <= watermarks.low_blocks[tier] or len(sim.moves) >= max_moves:
                     break
                 if not sim.is_movable(block_id) or sim.tier(block_id) != tier:
                     continue
-                if targets[block_id] <= tier:
-                    continue  # its score says it belongs here: demoting it early would only bring it back
+                if targets[block_id] <= tier or block_id in awaited:
+                    continue  # its score says it belongs here, or a turn awaits it: it would only come back
                 # one tier down (the cheapest to bring back), lower only when that one is full
                 dst = self._lower_tier_with_room(sim, capacities, tier + 1) if tier + 1 < NUM_TIERS else None
                 if dst is not None:
@@ -354,7 +391,7 @@ class MemScheduler:
         log = self.access_log
         last = np.maximum(log.last_read_step(ids), np.asarray(index.arrival_steps(ids), dtype=np.int64))
         limit = idle_steps * (1.0 + log.cost_sensitivity(ids))
-        for block_id in ids[(log.now - last) > limit].tolist():
+        for block_id in ids[((log.now - last) > limit) & ~log.awaited(ids)].tolist():
             if len(sim.moves) >= max_moves or sim.free[WARM] == 0:
                 return
             if sim.is_movable(block_id) and sim.tier(block_id) == HOT:

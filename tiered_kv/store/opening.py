@@ -138,7 +138,7 @@ class Opening:
             index.touch(itertools.chain(request.block_set, allocated))
         cache.touched_order_version = index.order_version
         store.access_log.record_step(request.owner, itertools.chain(request.block_set, allocated), tables,
-                                     request.cost_sensitivity)
+                                     request.cost_sensitivity, new_turn=request.new_turn)
         index.clock = store.access_log.now
         store.compaction.note_step(request.owner, cache.tables)
         counts = tier_counts([(row.tiers, None) for row in rows])

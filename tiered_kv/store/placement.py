@@ -30,8 +30,10 @@ class Placement:
         store, state = self.store, self.store.state
         with store.lock:
             store.check_open()
-            if store.mover is not None and owner is not None:
-                store.mover.drop_requests(owner)
+            if owner is not None:  # its turn is coming: the policy counts it now (access_log.py)
+                store.access_log.announce_turn(owner, block_ids)
+                if store.mover is not None:
+                    store.mover.drop_requests(owner)
         self._wait_for_flights(set(block_ids))
 
         def make_plan(result: DemandResult) -> Plan:
@@ -70,6 +72,7 @@ class Placement:
         store = self.store
         with store.lock:
             store.check_open()
+            store.access_log.announce_turn(owner, block_ids)  # its user is typing: the turn counts now
             if store.mover is not None:
                 deadline = None if deadline_s is None else time.monotonic() + deadline_s
                 store.mover.request_prefetch(owner, block_ids, deadline)
