@@ -9,13 +9,13 @@ import pytest
 from tiered_kv.block_index import BlockIndex
 from tiered_kv.config import ConfigError, SchedulerConfig, load_config
 from tiered_kv.scheduler import COLD, DROPPED, HOT, WARM, MemScheduler, Move
-from tiered_kv.scheduler.access_log import AccessLog
+from tiered_kv.scheduler.access_log import RECENT_SPEAKERS, AccessLog
 from tiered_kv.scheduler.mem_scheduler import Watermarks
 
 
 def scheduler(policy: str, window: int = 10, **settings) -> MemScheduler:
     cfg = SchedulerConfig(policy=policy, ali_window=window, **settings)
-    return MemScheduler(cfg, AccessLog(cfg.ali_window, cfg.default_cost_sensitivity))
+    return MemScheduler(cfg, AccessLog(cfg.ali_window, cfg.default_cost_sensitivity, cfg.half_life_turns))
 
 
 def fill(index: BlockIndex, tier: int, num_blocks: int, clock: int = 0) -> list[int]:
@@ -388,6 +388,46 @@ def test_ali_follows_heat_where_popular_chats_keep_chatting_and_recency_where_th
         turn(sched.access_log, 9, [one_off])
         turn(sched.access_log, 10, [last])
         assert victims(sched, index, [3, 3, 0]) == [Move(first if lru_wins else one_off, HOT, WARM)]
+
+
+def test_an_announced_turn_resumed_without_a_prefill_does_not_swallow_the_next_turn():
+    log = AccessLog(window_steps=10, half_life_turns=100.0)
+    log.announce_turn(1, [0])  # attach() of a stored chat: its turn counts now
+    log.record_step(1, {0})  # only its last token was left to compute: a one-token step
+    log.record_step(1, {0}, new_turn=True)  # its next turn: counted, not taken for the announced one
+    assert log.turns == 2
+
+
+def test_a_speaker_is_ranked_against_the_recent_speakers_only():
+    """The predictors' score costs O(RECENT_SPEAKERS) a turn, however many chats are open."""
+    log = AccessLog(window_steps=10)
+    for owner in range(3 * RECENT_SPEAKERS):
+        turn(log, owner, [owner])
+    assert list(log._recent_speakers) == list(range(2 * RECENT_SPEAKERS, 3 * RECENT_SPEAKERS))
+    turn(log, 2 * RECENT_SPEAKERS, [0])  # speaks again: the most recent now
+    assert next(reversed(log._recent_speakers)) == 2 * RECENT_SPEAKERS
+    log.forget_chat(2 * RECENT_SPEAKERS)
+    assert 2 * RECENT_SPEAKERS not in log._recent_speakers and len(log._recent_speakers) == RECENT_SPEAKERS - 1
+
+
+def test_ali_keeps_a_chat_mid_turn_when_more_chats_step_than_a_quarter_window():
+    """Six chats decode round-robin (each reads its blocks every 6th step, beyond a quarter of the
+    8-step window): the new one among them keeps its block; the popular chat that went idle is
+    the victim, though its heat is higher."""
+    sched = scheduler("ali", window=8, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
+    log, index = sched.access_log, BlockIndex()
+    popular = index.add(HOT, 0)
+    for owner in [0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7]:
+        turn(log, owner, [popular] if owner == 0 else [])
+    decoding = {owner: index.add(HOT, slot) for slot, owner in enumerate(range(20, 26), start=1)}
+    for owner, block in decoding.items():
+        log.record_step(owner, {block}, new_turn=True)
+    for _ in range(2):
+        for owner, block in decoding.items():
+            log.record_step(owner, {block})
+    assert log.heat_predicts_better and log.active_chats == 6
+    assert log.now - log.last_read_step([decoding[20]])[0] == 6 > 8 // 4
+    assert victims(sched, index, [7, 7, 0]) == [Move(popular, HOT, WARM)]
 
 
 def test_half_life_and_restore_settings_are_checked():

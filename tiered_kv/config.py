@@ -268,8 +268,11 @@ class SchedulerConfig:
     read a block; a block belongs hot above `ali_hot`, warm above `ali_warm`, cold otherwise.
     BS (link saturation, 0..1): above `bs_threshold`, optional background moves wait. CS (cost
     sensitivity, 0..1, per chat: `CacheBank(..., cost_sensitivity=)`, else
-    `default_cost_sensitivity`) adds `cs_weight * CS` to a block's ALI-scale value under every
-    policy, so high-CS chats stay hot longer and are the last victims.
+    `default_cost_sensitivity`) adds `cs_weight * CS` to a block's value under every policy (in
+    the policy's unit: times `ali_window` for the step-valued ones; log2 turn heat under `ali`,
+    where 0.5 is worth 8 turns of decay at the default half-life), so high-CS chats stay hot
+    longer and are the last victims. `ali` (the default) ranks chats by turn heat: see
+    tiered_kv/scheduler/access_log.py.
     """
     policy: str = "ali"
     ali_window: int = 100  # store steps

@@ -28,11 +28,13 @@ awaits, under any policy. Without it the mover's watermark demotion took back wh
 had just brought up (or the announced chat's blocks that were hot already) while its user typed.
 
 At each turn the log also scores two predictors of who speaks next: heat and recency (the
-chat's last step). Each one's miss rate is the running share of the other chats it ranked above
-the chat that then spoke. Where popular chats keep chatting, heat wins; where they leave
-(finished conversations), recency does; `heat_predicts_better` says which, lately.
+chat's last step). Each one's miss rate is the running share of the other recent speakers (the
+last RECENT_SPEAKERS chats to take a turn) it ranked above the chat that then spoke. Where
+popular chats keep chatting, heat wins; where they leave (finished conversations), recency does;
+`heat_predicts_better` says which, lately.
 
-Recording a step costs O(its blocks) in vectorized numpy; reading signals costs O(blocks asked).
+Recording a step costs O(its blocks) in vectorized numpy, plus O(RECENT_SPEAKERS) when it begins
+a turn, however many chats are open; reading signals costs O(blocks asked).
 Per chat (step owner) it keeps its latest block tables, CS and last step, so the scheduler can
 demote idle chats and the compactor can lay chats out in token order.
 """
@@ -40,12 +42,13 @@ demote idle chats and the compactor can lay chats out in token order.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 PREDICTOR_EWMA = 0.1  # weight of one turn in the predictors' running miss rates
+RECENT_SPEAKERS = 64  # a turn's speaker is ranked against at most this many chats that spoke last
 
 
 @dataclass
@@ -76,6 +79,7 @@ class AccessLog:
         self.heat_miss = 0.5
         self.recency_miss = 0.5
         self.chats: dict[int, ChatRecord] = {}
+        self._recent_speakers: OrderedDict[int, None] = OrderedDict()  # the last RECENT_SPEAKERS chats to take a turn
         self._window: deque[np.ndarray] = deque()  # block ids read by each of the last window_steps steps
         self._window_owners: deque[int] = deque()  # and whose step each was
         self._owner_window_steps: dict[int, int] = {}
@@ -96,11 +100,9 @@ class AccessLog:
         ids = np.fromiter(block_ids, dtype=np.int64)
         chat = self.chats.setdefault(owner, ChatRecord())
         self._awaited.pop(owner, None)  # its step reads them now: recency and use take over
-        if new_turn:
-            if chat.turn_announced:
-                chat.turn_announced = False
-            else:
-                self._count_turn(chat)
+        if new_turn and not chat.turn_announced:
+            self._count_turn(owner, chat)
+        chat.turn_announced = False  # any step of its own ends the announced turn's wait
         if len(ids):
             self._grow(int(ids.max()) + 1)
             self._heat[ids] = np.maximum(self._heat[ids], chat.heat_key)
@@ -135,7 +137,7 @@ class AccessLog:
         the turn's first step does not count it again."""
         chat = self.chats.setdefault(owner, ChatRecord())
         if not chat.turn_announced:
-            self._count_turn(chat)
+            self._count_turn(owner, chat)
             chat.turn_announced = True
         ids = np.fromiter(block_ids, dtype=np.int64)
         self._awaited[owner] = (self.now, ids)
@@ -143,10 +145,16 @@ class AccessLog:
             self._grow(int(ids.max()) + 1)
             self._heat[ids] = np.maximum(self._heat[ids], chat.heat_key)
 
-    def _count_turn(self, chat: ChatRecord) -> None:
+    def _count_turn(self, owner: int, chat: ChatRecord) -> None:
         """chat's heat: decayed to now, plus one; the store's turn clock advances. First, how well
-        each predictor saw this turn coming: the share of the other chats it ranked above this one."""
-        others = [c for c in self.chats.values() if c is not chat and c.last_step >= 0]
+        each predictor saw this turn coming: the share of the other recent speakers (at most
+        RECENT_SPEAKERS: O(1) per turn however many chats are open) it ranked above this one."""
+        others = [c for o in self._recent_speakers if o != owner and (c := self.chats.get(o)) is not None
+                  and c.last_step >= 0]
+        self._recent_speakers[owner] = None
+        self._recent_speakers.move_to_end(owner)
+        if len(self._recent_speakers) > RECENT_SPEAKERS:
+            self._recent_speakers.popitem(last=False)
         if others and chat.last_step >= 0:
             by_heat = sum(c.heat_key > chat.heat_key for c in others) / len(others)
             by_recency = sum(c.last_step > chat.last_step for c in others) / len(others)
@@ -161,6 +169,7 @@ class AccessLog:
         """The chat's bank closed or was collected: its tables are no longer a layout to keep."""
         self.chats.pop(owner, None)
         self._awaited.pop(owner, None)
+        self._recent_speakers.pop(owner, None)
 
     def _grow(self, size: int) -> None:
         if size <= len(self._last_read):
@@ -216,6 +225,11 @@ class AccessLog:
         """Whether turn heat has ranked the chats that then spoke above the others better than
         recency has, lately (`ali` then orders victims by heat first, else by recency first)."""
         return self.heat_miss < self.recency_miss
+
+    @property
+    def active_chats(self) -> int:
+        """Chats with a step among the last `window_steps` store steps (stepping concurrently)."""
+        return len(self._owner_window_steps)
 
     def heat_now(self, ids) -> np.ndarray:
         """The heat itself: decayed turn counts now (for reports and tests)."""

@@ -12,18 +12,22 @@ valuable unreferenced block of the tier is dropped. A block's value under each p
   lru   the last store step that read it or brought it into its tier
   fifo  the store step it entered its current tier
   lfu   how many store steps read it
-  ali   ALI: the share of the last `ali_window` store steps (since the block was first read)
-        that read it, scaled by ali_window
+  ali   the turn heat of the hottest chat that read it (access_log.py: decayed turn counts),
+        blocks read in the last quarter of the ALI window above any heat, while heat has
+        predicted the next speaker better than recency; else lru's value. The other key breaks
+        ties (recency under heat, heat under recency)
 
-plus a cost-sensitivity bonus of `cs_weight * CS * ali_window` (in the policy's own unit), so a
-high-CS chat's blocks go last and a low-CS chat's first. Ties keep least-recently-used order.
+plus a cost-sensitivity bonus of `cs_weight * CS` (in the policy's own unit: `* ali_window` for
+the step-valued ones), so a high-CS chat's blocks go last and a low-CS chat's first. Ties keep
+least-recently-used order. Above every value: the blocks of a chat whose turn was announced
+(prefetch, attach) and has not read them yet, under every policy.
 Blocks the caller protects and blocks pinned by a running step (or in flight in a background
 move) are never moved.
 
 Background plans (`plan_background`, carried out by the store's mover off the critical path):
 demote by policy when a tier is fuller than its high watermark, down to its low one; demote
-chats idle for `idle_steps`; under `ali`, bring blocks whose ALI says hot (> ali_hot) or warm
-(> ali_warm) up while the tier is under its low watermark.
+chats idle for `idle_steps`; under `ali` with `ali_promote`, bring blocks whose ALI says hot
+(> ali_hot) or warm (> ali_warm) up while the tier is under its low watermark.
 """
 
 from __future__ import annotations
@@ -88,12 +92,16 @@ class _Values:
         return self._heat(ids)
 
     def _heat(self, ids: np.ndarray) -> np.ndarray:
-        """Turn heat, and above every heat the blocks a chat is using now (read within the last
-        quarter of the ALI window: a chat mid-turn keeps its blocks whatever its heat)."""
+        """Turn heat, and above every heat the blocks a chat is using now: read within the last
+        quarter of the ALI window, or within two rounds of the chats stepping now when more of
+        them take turns (each then steps once per round): a chat mid-turn keeps its blocks
+        whatever its heat."""
         log = self.log
         heat = log.heat(ids)
         heat = np.where(np.isfinite(heat), heat, _NEVER_READ)
-        in_use = log.last_read_step(ids) >= log.now - max(1, log.window_steps // 4)
+        span = max(1, log.window_steps // 4, 2 * log.active_chats)
+        last = log.last_read_step(ids)
+        in_use = (last >= 0) & (last >= log.now - span)
         return np.where(in_use, heat + _IN_USE, heat)
 
     def _sorted(self, ids: np.ndarray) -> list[int]:
@@ -339,7 +347,7 @@ class MemScheduler:
            turn awaits (a prefetch's, or the coming chat's already hot ones). Unreferenced
            cached blocks with nowhere to go are dropped.
         2. hot blocks unread for `idle_steps` store steps (times 1 + CS) go to warm (not awaited ones).
-        3. under `ali`, warm and cold blocks read in the last tenth of the ALI window (a working
+        3. under `ali` with `ali_promote`, warm and cold blocks read in the last tenth of the ALI window (a working
            set that spilled) whose score names a higher tier come up while that tier stays
            under its low watermark (most valuable first; the room between the low and high
            marks stays free for the blocks new turns allocate).
