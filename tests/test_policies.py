@@ -15,7 +15,8 @@ from tiered_kv.scheduler.mem_scheduler import Watermarks
 
 def scheduler(policy: str, window: int = 10, **settings) -> MemScheduler:
     cfg = SchedulerConfig(policy=policy, ali_window=window, **settings)
-    return MemScheduler(cfg, AccessLog(cfg.ali_window, cfg.default_cost_sensitivity, cfg.half_life_turns))
+    return MemScheduler(cfg, AccessLog(cfg.ali_window, cfg.default_cost_sensitivity, cfg.half_life_turns,
+                                           cfg.lfu_half_life_turns))
 
 
 def fill(index: BlockIndex, tier: int, num_blocks: int, clock: int = 0) -> list[int]:
@@ -430,11 +431,36 @@ def test_ali_keeps_a_chat_mid_turn_when_more_chats_step_than_a_quarter_window():
     assert victims(sched, index, [7, 7, 0]) == [Move(popular, HOT, WARM)]
 
 
+def test_lfu_counts_halve_every_lfu_half_life_turns():
+    log = AccessLog(window_steps=10, lfu_half_life_turns=2.0)
+    turn(log, 1, [0], decode_steps=3)  # four reads of block 0 in turn 1
+    turn(log, 2, [1])  # turn 2: one read of block 1
+    turn(log, 2, [1])  # turn 3: its first read is half a half-life old
+    assert log.num_reads([0, 1, 7]).tolist() == pytest.approx([4 * 2 ** -1, 2 ** -0.5 + 1, 0.0])
+
+
+def test_lfu_lets_a_chat_busy_long_ago_go_before_one_busy_now():
+    """Block 0 was read 12 times long ago, block 1 five times lately: with aging block 0 goes
+    first (without it, block 1 would)."""
+    for half_life, first_victim in ((2.0, 0), (1e9, 1)):
+        sched = scheduler("lfu", window=4, idle_steps=0, cs_weight=0.0, lfu_half_life_turns=half_life)
+        index = BlockIndex()
+        blocks = [index.add(HOT, 0), index.add(HOT, 1)]
+        turn(sched.access_log, 1, [blocks[0]], decode_steps=11)
+        for _ in range(5):
+            turn(sched.access_log, 2, [blocks[1]])
+        for owner in range(3, 9):  # others speak, reading no hot block
+            turn(sched.access_log, owner, [])
+        assert victims(sched, index, [2, 2, 0]) == [Move(blocks[first_victim], HOT, WARM)], half_life
+
+
 def test_half_life_and_restore_settings_are_checked():
     # restore is always by default: a stored prefix is restored, as before there was a choice
     assert SchedulerConfig().restore == "always" and SchedulerConfig(restore="auto").restore == "auto"
     with pytest.raises(ConfigError, match=r"'scheduler.half_life_turns'.*from 0.5"):
         load_config({"scheduler": {"half_life_turns": 0}})
+    with pytest.raises(ConfigError, match=r"'scheduler.lfu_half_life_turns'.*from 1 to"):
+        load_config({"scheduler": {"lfu_half_life_turns": "often"}})
     with pytest.raises(ConfigError, match=r"'scheduler.restore': got 'sometimes'.*'auto' or 'always'"):
         load_config({"scheduler": {"restore": "sometimes"}})
     with pytest.raises(ConfigError, match=r"'scheduler.ali_promote'"):

@@ -274,7 +274,7 @@ class SchedulerConfig:
     longer and are the last victims. `ali` (the default) ranks chats by turn heat: see
     tiered_kv/scheduler/access_log.py.
     """
-    policy: str = "ali"
+    policy: str = "lfu"
     ali_window: int = 100  # store steps
     ali_hot: float = 0.7
     ali_warm: float = 0.3
@@ -283,6 +283,7 @@ class SchedulerConfig:
     default_cost_sensitivity: float = 0.5
     idle_steps: int = 1000  # a chat unread this many store steps has its hot blocks demoted; 0: never
     half_life_turns: float = 16.0  # `ali`: a chat's turn heat halves every this many turns of the store
+    lfu_half_life_turns: float = 1000.0  # `lfu`: a read counts half after this many turns of the store
     ali_promote: bool = False  # `ali`: the mover also brings up blocks read lately whose ALI says hot
     restore: str = "always"  # auto: a turn restores only the stored prefix that loads faster than it recomputes
     background: bool = True  # run the background mover (prefetch, watermark demotion, compaction)
@@ -307,6 +308,10 @@ class SchedulerConfig:
         if not (isinstance(self.half_life_turns, (int, float)) and not isinstance(self.half_life_turns, bool)
                 and 0.5 <= self.half_life_turns <= 1e6):
             raise _error("scheduler.half_life_turns", self.half_life_turns, "a number of turns from 0.5 to 1000000")
+        if not (isinstance(self.lfu_half_life_turns, (int, float)) and not isinstance(self.lfu_half_life_turns, bool)
+                and 1 <= self.lfu_half_life_turns <= 1e9):
+            raise _error("scheduler.lfu_half_life_turns", self.lfu_half_life_turns,
+                         "a number of turns from 1 to 1000000000")
         if not isinstance(self.ali_promote, bool):
             raise _error("scheduler.ali_promote", self.ali_promote, "true or false")
         if self.restore not in RESTORE_MODES:

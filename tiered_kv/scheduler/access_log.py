@@ -6,7 +6,9 @@ tables in token order and its cost sensitivity. From that the log keeps, per blo
 arrays that grow with the ids (ids are never reused):
 
   last_read_step   the store step that last read the block (-1: never read)
-  num_reads        steps that read it since it was allocated          (LFU)
+  num_reads        steps that read it since it was allocated, each read's count halving
+                   every `lfu_half_life_turns` turns of the whole store (LFU with aging: a chat
+                   that was busy yesterday does not hold its tier against today's)
   window_reads     steps among the last `window_steps` that read it   (ALI = that / the steps of
                    the window since it was first read)
   cost_sensitivity the highest CS among the chats that read it since it last went a whole
@@ -64,14 +66,17 @@ class ChatRecord:
 
 
 class AccessLog:
-    def __init__(self, window_steps: int = 100, default_cs: float = 0.5, half_life_turns: float = 16.0):
+    def __init__(self, window_steps: int = 100, default_cs: float = 0.5, half_life_turns: float = 16.0,
+                 lfu_half_life_turns: float = 1000.0):
         if window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
-        if not half_life_turns > 0:
-            raise ValueError(f"half_life_turns must be > 0, got {half_life_turns}")
+        if not half_life_turns > 0 or not lfu_half_life_turns > 0:
+            raise ValueError(f"half_life_turns and lfu_half_life_turns must be > 0, got {half_life_turns}, "
+                             f"{lfu_half_life_turns}")
         self.window_steps = window_steps
         self.default_cs = default_cs
         self.half_life_turns = float(half_life_turns)
+        self.lfu_half_life_turns = float(lfu_half_life_turns)
         self.now = 0  # store steps recorded so far
         self.turns = 0  # turns begun so far (steps with new_turn, or announced by prefetch / attach)
         # how badly each predictor ranked the chats that then took a turn (EWMA of the share of
@@ -85,7 +90,8 @@ class AccessLog:
         self._owner_window_steps: dict[int, int] = {}
         self._last_read = np.full(0, -1, dtype=np.int64)
         self._first_read = np.full(0, -1, dtype=np.int64)
-        self._num_reads = np.zeros(0, dtype=np.int64)
+        self._num_reads = np.zeros(0, dtype=np.float64)  # decayed read count as of _reads_turn
+        self._reads_turn = np.zeros(0, dtype=np.float64)  # the turn clock at the block's last read
         self._window_reads = np.zeros(0, dtype=np.int64)
         self._cs = np.zeros(0, dtype=np.float64)
         self._heat = np.full(0, -np.inf, dtype=np.float64)
@@ -112,7 +118,9 @@ class AccessLog:
             self._last_read[ids] = self.now
             first = self._first_read[ids]
             self._first_read[ids] = np.where(first < 0, self.now, first)
-            self._num_reads[ids] += 1
+            age_turns = self.turns - self._reads_turn[ids]
+            self._num_reads[ids] = self._num_reads[ids] * np.exp2(-age_turns / self.lfu_half_life_turns) + 1.0
+            self._reads_turn[ids] = self.turns
             self._window_reads[ids] += 1
         self._window.append(ids)
         self._window_owners.append(owner)
@@ -178,7 +186,8 @@ class AccessLog:
         extra = new_size - len(self._last_read)
         self._last_read = np.concatenate((self._last_read, np.full(extra, -1, dtype=np.int64)))
         self._first_read = np.concatenate((self._first_read, np.full(extra, -1, dtype=np.int64)))
-        self._num_reads = np.concatenate((self._num_reads, np.zeros(extra, dtype=np.int64)))
+        self._num_reads = np.concatenate((self._num_reads, np.zeros(extra, dtype=np.float64)))
+        self._reads_turn = np.concatenate((self._reads_turn, np.zeros(extra, dtype=np.float64)))
         self._window_reads = np.concatenate((self._window_reads, np.zeros(extra, dtype=np.int64)))
         self._cs = np.concatenate((self._cs, np.full(extra, self.default_cs, dtype=np.float64)))
         self._heat = np.concatenate((self._heat, np.full(extra, -np.inf, dtype=np.float64)))
@@ -195,7 +204,9 @@ class AccessLog:
         return self._take(self._last_read, ids, -1)
 
     def num_reads(self, ids) -> np.ndarray:
-        return self._take(self._num_reads, ids, 0)
+        """Reads of each block, each one halved for every `lfu_half_life_turns` turns since it."""
+        age_turns = self.turns - self._take(self._reads_turn, ids, 0.0)
+        return self._take(self._num_reads, ids, 0.0) * np.exp2(-age_turns / self.lfu_half_life_turns)
 
     def window_reads(self, ids) -> np.ndarray:
         return self._take(self._window_reads, ids, 0)
