@@ -11,7 +11,7 @@ valuable unreferenced block of the tier is dropped. A block's value under each p
 
   lru   the last store step that read it or brought it into its tier
   fifo  the store step it entered its current tier
-  lfu   how many store steps read it
+  lfu   how many store steps read it, each read halved every `lfu_half_life_turns` store turns
   ali   the turn heat of the hottest chat that read it (access_log.py: decayed turn counts),
         blocks read in the last quarter of the ALI window above any heat, while heat has
         predicted the next speaker better than recency; else lru's value. The other key breaks
