@@ -15,8 +15,7 @@ from tiered_kv.scheduler.mem_scheduler import Watermarks
 
 def scheduler(policy: str, window: int = 10, **settings) -> MemScheduler:
     cfg = SchedulerConfig(policy=policy, ali_window=window, **settings)
-    return MemScheduler(cfg, AccessLog(cfg.ali_window, cfg.default_cost_sensitivity, cfg.half_life_turns,
-                                           cfg.lfu_half_life_turns))
+    return MemScheduler(cfg, AccessLog.from_settings(cfg))
 
 
 def fill(index: BlockIndex, tier: int, num_blocks: int, clock: int = 0) -> list[int]:

@@ -271,8 +271,8 @@ class SchedulerConfig:
     `default_cost_sensitivity`) adds `cs_weight * CS` to a block's value under every policy (in
     the policy's unit: times `ali_window` for the step-valued ones; log2 turn heat under `ali`,
     where 0.5 is worth 8 turns of decay at the default half-life), so high-CS chats stay hot
-    longer and are the last victims. `ali` (the default) ranks chats by turn heat: see
-    tiered_kv/scheduler/access_log.py.
+    longer and are the last victims. `lfu` (the default) ages its counts and `ali` ranks chats
+    by turn heat: see tiered_kv/scheduler/access_log.py.
     """
     policy: str = "lfu"
     ali_window: int = 100  # store steps

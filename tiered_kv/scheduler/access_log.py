@@ -97,6 +97,12 @@ class AccessLog:
         self._heat = np.full(0, -np.inf, dtype=np.float64)
         self._awaited: dict[int, tuple[int, np.ndarray]] = {}  # owner -> (step announced, its block ids)
 
+    @classmethod
+    def from_settings(cls, settings) -> "AccessLog":
+        """The log a store's scheduler settings (a SchedulerConfig) describe."""
+        return cls(settings.ali_window, settings.default_cost_sensitivity, settings.half_life_turns,
+                   settings.lfu_half_life_turns)
+
     # ---- recording -------------------------------------------------------------------------
     def record_step(self, owner: int, block_ids, tables: list[list[int]] | None = None,
                     cost_sensitivity: float | None = None, new_turn: bool = False) -> None:

@@ -237,9 +237,7 @@ class MemScheduler:
         self.settings = settings
         self.policy = settings.policy
         self.cs_weight = settings.cs_weight
-        self.access_log = access_log if access_log is not None else AccessLog(
-            settings.ali_window, settings.default_cost_sensitivity, settings.half_life_turns,
-            settings.lfu_half_life_turns)
+        self.access_log = access_log if access_log is not None else AccessLog.from_settings(settings)
 
     def _simulation(self, index, free_slots, capacities, movable) -> _Simulation:
         return _Simulation(index, free_slots, capacities, movable, _Values(self, index))

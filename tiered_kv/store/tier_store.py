@@ -92,8 +92,7 @@ class TierStore:
         self.state = StoreState(self.metrics)
         self.state.on_collected = lambda owner: self.opening.forget(owner)  # a bank the collector took
         settings = self.config.scheduler
-        self.access_log = AccessLog(settings.ali_window, settings.default_cost_sensitivity, settings.half_life_turns,
-            settings.lfu_half_life_turns)
+        self.access_log = AccessLog.from_settings(settings)
         self.rates = Rates()  # read rates and the prefill cost, measured: what a turn restores (restore.py)
         self.scheduler = MemScheduler(settings, self.access_log)
         self.compaction = HotCompaction(self.state, self.access_log, settings)
