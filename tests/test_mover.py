@@ -305,6 +305,31 @@ def test_a_prefetch_stops_at_its_deadline_most_recent_blocks_first(tmp_path):
     bank.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_prefetch_of_a_chat_larger_than_hot_fills_hot_once_and_settles(policy, tmp_path):
+    """A chat of 16 blocks, hot room for 10: the prefetch brings its 10 newest up and stops. It
+    must not make room by pushing the chat's own blocks that are up already back down (it swapped
+    them in a loop until the turn came: bytes moved for nothing, and hot slots held by copies in
+    flight instead of blocks)."""
+    model = tiny_model("llama")
+    bank = tiered_kv.CacheBank(model, config(tmp_path, hot=10, policy=policy))
+    out = greedy(model, rand_ids(23, 60), bank, 4)  # 16 blocks
+    store = bank.store
+    assert store.wait_for_background(WAIT_S)
+    bank.offload("warm")
+    bank.prefetch()
+    assert store.wait_for_background(WAIT_S / 4), "the prefetch kept moving the chat's own blocks"
+    table = bank.block_table(0)
+    hot = [store.index.get(b).tier == HOT for b in table]
+    assert sum(hot) == 10 and hot == sorted(hot), hot  # its newest 10, once
+    block_bytes = store.layout.block_bytes
+    assert bank.stats()["bytes_moved"]["warm->hot"] <= 10 * block_bytes
+    follow = torch.cat([out, rand_ids(24, 3)], 1)
+    bank.attach(follow)
+    assert torch.equal(greedy(model, follow, bank, 4), reference(model, follow, 4))
+    bank.close()
+
+
 def test_a_prefetch_goes_before_durable_copies_and_every_background_move_waits_for_a_turns_own(tmp_path):
     """A prefetch request is served before the write-behind copies due at the same time; and while a
     caller's on-demand batch is in flight (or the copy engine has units queued), the mover prepares

@@ -234,7 +234,11 @@ class Mover:
                 del self._requests[owner]
                 continue
             leave_alone = self._leave_alone(except_owner=owner)
-            plan = store.scheduler.plan_promotion(wanted, state.index, state.free_slots(), state.capacities,
+            # plan for all of the chat's blocks, not just the ones still below: those up already
+            # must not be pushed down to make room for the rest (a chat larger than hot swapped
+            # its own blocks in a loop until its turn came)
+            present = [b for b in block_ids if b in state.index]
+            plan = store.scheduler.plan_promotion(present, state.index, state.free_slots(), state.capacities,
                                                   leave_alone)
             if plan.moves:
                 return Plan(moves=plan.moves[:self.batch_blocks]), leave_alone
