@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 from transformers import DynamicCache
 
 # measure the tiered_kv of this checkout, not whichever one an editable install points at
@@ -119,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--restore", choices=("auto", "always"), default="auto",
                         help="scheduler.restore of the policies' stores (auto: restore only what loads faster "
                              "than it recomputes)")
+    parser.add_argument("--scheduler", action="append", default=[], metavar="KEY=VALUE",
+                        help="a scheduler setting for every policy's store (repeatable), e.g. "
+                             "half_life_turns=32; VALUE is read as YAML")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="call bank.prefetch() when a chat's think time starts")
     parser.add_argument("--premium-chats", type=int, default=0,
@@ -155,6 +159,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not args.policy_names:
         parser.error(f"--policies: got {args.policies!r}; allowed: a comma-separated subset of "
                      f"{','.join(ALLOWED_POLICIES)}")
+    args.scheduler_settings = {}
+    for item in args.scheduler:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or key.strip() in ("policy", "restore"):
+            parser.error(f"--scheduler: got {item!r}; allowed: KEY=VALUE with a scheduler key other than "
+                         "policy and restore (they have options of their own)")
+        args.scheduler_settings[key.strip()] = yaml.safe_load(value)
     if args.tiny and args.model:
         parser.error("--tiny and --model exclude each other")
     return args
@@ -294,7 +305,7 @@ def store_config(policy: str, budget: dict, args, device: str, cold_path: str) -
         "hot": {"device": device, "capacity_blocks": budget["hot_blocks"]},
         "warm": {"capacity_blocks": budget["warm_blocks"]},
         "cold": {"capacity_blocks": budget["cold_blocks"], "path": cold_path},
-        "scheduler": {"policy": policy, "restore": args.restore},
+        "scheduler": {"policy": policy, "restore": args.restore, **args.scheduler_settings},
     }
 
 

@@ -453,6 +453,23 @@ def test_lfu_lets_a_chat_busy_long_ago_go_before_one_busy_now():
         assert victims(sched, index, [2, 2, 0]) == [Move(blocks[first_victim], HOT, WARM)], half_life
 
 
+def test_lfu_by_default_lets_a_conversation_that_ended_go_before_one_going_on():
+    """The sessions bench's closed trace in small: a chat of 12 turns (5 reads each) ends, then
+    others chat for 64 turns, one of them 3 times. With the default aging (8 turns) the ended
+    chat's 60 old reads count less than the 15 recent ones (with 1,000, they held hot forever)."""
+    sched = scheduler("lfu", window=4, idle_steps=0, cs_weight=0.0)
+    assert sched.settings.lfu_half_life_turns == 8.0
+    index = BlockIndex()
+    ended, going_on = index.add(HOT, 0), index.add(HOT, 1)
+    for _ in range(12):
+        turn(sched.access_log, 1, [ended], decode_steps=4)
+    for owner in range(3, 64):  # others speak, reading no hot block
+        turn(sched.access_log, owner, [])
+    for _ in range(3):
+        turn(sched.access_log, 2, [going_on], decode_steps=4)
+    assert victims(sched, index, [2, 2, 0]) == [Move(ended, HOT, WARM)]
+
+
 def test_half_life_and_restore_settings_are_checked():
     # restore is always by default: a stored prefix is restored, as before there was a choice
     assert SchedulerConfig().restore == "always" and SchedulerConfig(restore="auto").restore == "auto"
