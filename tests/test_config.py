@@ -161,7 +161,7 @@ def test_to_dict_exact():
                  "admit": "published", "compression": "none", "high_watermark": 1.0, "low_watermark": 1.0},
         "scheduler": {"policy": "lfu", "ali_window": 100, "ali_hot": 0.7, "ali_warm": 0.3, "bs_threshold": 0.8,
                       "cs_weight": 0.5, "default_cost_sensitivity": 0.5, "idle_steps": 1000,
-                      "half_life_turns": 16.0, "lfu_half_life_turns": 8.0, "ali_promote": False, "restore": "always", "background": True,
+                      "half_life_turns": 16.0, "lfu_half_life_turns": 16.0, "ali_promote": False, "restore": "always", "background": True,
                       "mover_interval_s": 0.02, "max_fragmentation": 0.5, "min_contiguity": 0.9},
         "metrics": {"enabled": True},
         "remote": {"url": "", "cluster": False, "username": "", "password_env": "", "key_prefix": "tkv:", "ttl": 0,

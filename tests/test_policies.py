@@ -455,10 +455,10 @@ def test_lfu_lets_a_chat_busy_long_ago_go_before_one_busy_now():
 
 def test_lfu_by_default_lets_a_conversation_that_ended_go_before_one_going_on():
     """The sessions bench's closed trace in small: a chat of 12 turns (5 reads each) ends, then
-    others chat for 64 turns, one of them 3 times. With the default aging (8 turns) the ended
+    others chat for 64 turns, one of them 3 times. With the default aging (16 turns) the ended
     chat's 60 old reads count less than the 15 recent ones (with 1,000, they held hot forever)."""
     sched = scheduler("lfu", window=4, idle_steps=0, cs_weight=0.0)
-    assert sched.settings.lfu_half_life_turns == 8.0
+    assert sched.settings.lfu_half_life_turns == 16.0
     index = BlockIndex()
     ended, going_on = index.add(HOT, 0), index.add(HOT, 1)
     for _ in range(12):

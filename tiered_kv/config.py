@@ -283,7 +283,7 @@ class SchedulerConfig:
     default_cost_sensitivity: float = 0.5
     idle_steps: int = 1000  # a chat unread this many store steps has its hot blocks demoted; 0: never
     half_life_turns: float = 16.0  # `ali`: a chat's turn heat halves every this many turns of the store
-    lfu_half_life_turns: float = 8.0  # `lfu`: a read counts half after this many turns of the store
+    lfu_half_life_turns: float = 16.0  # `lfu`: a read counts half after this many turns of the store
     ali_promote: bool = False  # `ali`: the mover also brings up blocks read lately whose ALI says hot
     restore: str = "always"  # auto: a turn restores only the stored prefix that loads faster than it recomputes
     background: bool = True  # run the background mover (prefetch, watermark demotion, compaction)

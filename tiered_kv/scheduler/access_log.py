@@ -67,7 +67,7 @@ class ChatRecord:
 
 class AccessLog:
     def __init__(self, window_steps: int = 100, default_cs: float = 0.5, half_life_turns: float = 16.0,
-                 lfu_half_life_turns: float = 8.0):
+                 lfu_half_life_turns: float = 16.0):
         if window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
         if not half_life_turns > 0 or not lfu_half_life_turns > 0:
