@@ -228,16 +228,16 @@ class Mover:
         now = time.monotonic()
         while self._requests:
             owner, (block_ids, deadline) = next(iter(self._requests.items()))
-            wanted = [b for b in block_ids if b in state.index and state.index.get(b).tier not in (HOT, DROPPED)]
-            if not wanted or (deadline is not None and now >= deadline):
-                self.num_expired += bool(wanted)
+            present = [b for b in block_ids if b in state.index]
+            below = any(state.index.get(b).tier not in (HOT, DROPPED) for b in present)
+            if not below or (deadline is not None and now >= deadline):
+                self.num_expired += below
                 del self._requests[owner]
                 continue
             leave_alone = self._leave_alone(except_owner=owner)
             # plan for all of the chat's blocks, not just the ones still below: those up already
             # must not be pushed down to make room for the rest (a chat larger than hot swapped
             # its own blocks in a loop until its turn came)
-            present = [b for b in block_ids if b in state.index]
             plan = store.scheduler.plan_promotion(present, state.index, state.free_slots(), state.capacities,
                                                   leave_alone)
             if plan.moves:
