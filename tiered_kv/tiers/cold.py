@@ -273,17 +273,19 @@ class ColdTier(DurableRecords):
         _, groups = index
         entries = list(groups.items())
         batch, views = scratch.batch(len(entries))
-        valid, sums = self.valid[:, layer].tolist(), self.checksums[:, layer].tolist()
+        # validity and checksum of the slices read, gathered once: O(blocks read), never O(capacity)
+        slots = list(groups)
+        valid, sums = self.valid[slots, layer].tolist(), self.checksums[slots, layer].tolist()
         slice_bytes, base, stride = self.layout.layer_bytes, layer * self.layout.layer_bytes, self.record_stride_bytes
         fd = self.io.fd if isinstance(self.io, PosixBlockIO) else None
         pread, digest = os.preadv, xxhash.xxh3_64_intdigest
         for i, (slot, _) in enumerate(entries):  # ~7,000 iterations a turn at 4k tokens: kept tight
             view = views[i]
             try:
-                complete = valid[slot] and fd is not None and pread(fd, [view], slot * stride + base) == slice_bytes
+                complete = valid[i] and fd is not None and pread(fd, [view], slot * stride + base) == slice_bytes
             except OSError:
                 complete = False
-            if not complete or digest(view) != sums[slot]:
+            if not complete or digest(view) != sums[i]:
                 # read again with the slot's lock: a step may have been writing this very slice (its
                 # new tokens in the tail block) meanwhile; the general path says why when it still fails
                 self._read_slice_locked(slot, layer, batch[i])
