@@ -191,8 +191,9 @@ class StoreState:
 
     def _free_now(self, tier: int, slots: list[int]) -> None:
         self.pools[tier].free(slots)
-        if tier == COLD and self.tiers[COLD] is not None:  # (None once the store closed)
-            self.tiers[COLD].forget(slots)
+        forget = getattr(self.tiers[tier], "forget", None)  # (the tier is None once the store closed)
+        if forget is not None:  # cold slots lose their record; a compressed tier drops a block being filled
+            forget(slots)
 
     def drain(self) -> None:
         """Free the deferred slots whose copies passed; release what collected banks left."""

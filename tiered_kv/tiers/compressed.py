@@ -4,10 +4,13 @@ interface as warm.py and cold.py, in the model's dtype at the edge, packed bytes
 A block is stored as uint8 `[L, layer_bytes]`, each layer slice packed by compression/codec.py
 (int8, fp8 or int4 codes with float16 scales). `write_blocks` encodes; every read decodes straight
 into where the values are wanted (`codec.decode_into`): a step's token reads into its output or
-stream buffer, `read_blocks_into` into a slot-major view (the hot slab's slots on a promotion). A
-token write re-encodes the slices it changes (read-modify-write, as the cold tier's own slice
-writes do). `kernel_view` is None: the paged decode kernel reads these blocks through the gather
-path (decoded into its buffer), never in place.
+stream buffer, `read_blocks_into` into a slot-major view (the hot slab's slots on a promotion).
+`kernel_view` is None: the paged decode kernel reads these blocks through the gather path (decoded
+into its buffer), never in place.
+
+Token writes (warm and cold) go through open_blocks.py: a block being filled is kept at full precision
+beside its packed bytes, which always encode its present tokens only (never a reused slot's old bytes,
+never its own tokens quantized twice); full, it holds exactly what one whole write stores.
 
 Between two tiers of the same compression the packed bytes move as they are (`read_packed` /
 `write_packed`): a block is quantized once, when it first goes down, and never again on its way
@@ -28,6 +31,7 @@ from ..compression import codec
 from ..hw.block_copy import slot_runs
 from ..hw.memory import allocate_slab
 from .cold import ColdTier
+from .open_blocks import OpenBlocks, TokenWrite, block_writes, cold_span_start, group_tokens, warm_tokens
 from .warm import WarmTier
 
 MAX_DECODE_RUNS = 4  # a layer read decodes run by run up to this many runs of consecutive slots, else gathers
@@ -94,6 +98,7 @@ class CompressedWarmTier(WarmTier):
         self.codec = _Codec(layout)
         self.slab = allocate_slab("warm.capacity", (num_slots, layout.num_layers, layout.layer_bytes), torch.uint8,
                                   torch.device("cpu"), pin_memory=pinned)
+        self.open_blocks = OpenBlocks(layout, dtype)
 
     def kernel_view(self, layer: int, device: torch.device):
         return None  # packed bytes: read through the gather path, decoded
@@ -107,6 +112,7 @@ class CompressedWarmTier(WarmTier):
 
     def write_packed(self, slots: list[int], packed: torch.Tensor) -> None:
         """Blocks packed in this tier's mode (from another tier of the same layout), as they are."""
+        self.open_blocks.drop(slots)
         self.slab.index_copy_(0, self._slot_tensor(slots), packed.to("cpu"))
 
     def read_blocks(self, slots: list[int], device=None) -> torch.Tensor:
@@ -122,7 +128,16 @@ class CompressedWarmTier(WarmTier):
 
     def write_blocks(self, slots: list[int], data: torch.Tensor) -> None:
         packed = self.codec.encode(data)  # on the data's device: a demotion from a GPU packs there
+        self.open_blocks.drop(slots)
         self.slab.index_copy_(0, self._slot_tensor(slots), packed.to("cpu"))
+
+    def forget(self, slots: list[int]) -> None:
+        """Slots were freed: their open blocks go (a new block there starts from nothing)."""
+        self.open_blocks.drop(slots)
+
+    def close(self) -> None:
+        self.open_blocks.clear()
+        super().close()
 
     def block_view(self, slot: int) -> torch.Tensor:
         raise TypeError("a compressed warm tier has no block views: read_blocks decodes")
@@ -176,7 +191,9 @@ class CompressedWarmTier(WarmTier):
 
     def read_tokens_into(self, layer: int, index, out: torch.Tensor) -> None:
         """Decoded straight into `out` (`[2, H, n, D]`, any strides; on a GPU the packed bytes go
-        there first and are decoded there)."""
+        there first and are decoded there); the tokens of open blocks at full precision."""
+        token_slots = index[1].numpy()
+        patches = self.open_blocks.snapshot(layer, token_slots)  # before the bytes are read
         if index[0] == "blocks":
             first, count = index[2], index[3]
             bs = self.layout.block_size
@@ -185,17 +202,26 @@ class CompressedWarmTier(WarmTier):
                 if lo < hi:
                     self.codec.decode_span(self._for_device(packed, out.device), lo - b0 * bs, hi - lo,
                                            out[:, :, lo - first:hi - first])
-            return
-        slots, positions, offsets = self._blocks_and_offsets(index)
-        slices = self.codec.decode(self.slab[slots, layer], out.dtype)
-        out.copy_(_gather_tokens(slices, positions, offsets), non_blocking=True)
+        else:
+            slots, positions, offsets = self._blocks_and_offsets(index)
+            slices = self.codec.decode(self.slab[slots, layer], out.dtype)
+            out.copy_(_gather_tokens(slices, positions, offsets), non_blocking=True)
+        if patches:
+            self.open_blocks.apply(out, patches, lambda slot: warm_tokens(index, slot, self.layout.block_size))
 
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
-        """Re-encode the slices these tokens change (their blocks' other tokens are decoded and kept)."""
-        slots, positions, offsets = self._blocks_and_offsets(index)
-        slices = self.codec.decode(self.slab[slots, layer], torch.float32)
-        slices[positions, :, :, offsets] = kv.detach().to("cpu", torch.float32).permute(2, 0, 1, 3)
-        self.slab[slots, layer] = self.codec.encode(slices)
+        """Whole blocks encoded at once; tokens of a block being filled through its open block (the
+        encoding of its present tokens is stored at once, from full precision)."""
+        values = kv.detach().to("cpu", self.dtype)
+        whole_slots, whole, parts = block_writes(index, values, self.layout.block_size, self.open_blocks.open_among)
+        if whole_slots:
+            self.slab[self._slot_tensor(whole_slots), layer] = self.codec.encode(whole)
+        if not parts:
+            return
+        with self.open_blocks.lock:  # `load`: a stored layer slice, decoded (a block continued here)
+            pieces = [self.open_blocks.write(slot, layer, offsets, part, lambda s=slot: self.codec.decode(
+                self.slab[s:s + 1, layer], self.dtype)[0]) for slot, offsets, part in parts]
+            self.slab[self._slot_tensor([slot for slot, _, _ in parts]), layer] = self.codec.encode(torch.stack(pieces))
 
 
 class CompressedColdTier(ColdTier):
@@ -206,6 +232,7 @@ class CompressedColdTier(ColdTier):
     def __init__(self, layout: KVLayout, num_slots: int, directory, backend: str = "auto", fsync: bool = True):
         super().__init__(layout, num_slots, directory, backend, fsync)
         self.codec = _Codec(layout)
+        self.open_blocks = OpenBlocks(layout, self.codec.model_dtype)
 
     def packed_buffer(self, num_blocks: int) -> np.ndarray:
         return np.empty((num_blocks, self.layout.num_layers, self.layout.layer_bytes), dtype=np.uint8)
@@ -223,6 +250,7 @@ class CompressedColdTier(ColdTier):
     def write_packed(self, slots: list[int], packed) -> None:
         """Records of blocks already packed in this tier's mode (a compressed warm tier's bytes)."""
         host = np.ascontiguousarray(packed.numpy() if isinstance(packed, torch.Tensor) else packed)
+        self.open_blocks.drop(slots)
         with self._guard:
             self._write_records(slots, host)
 
@@ -250,12 +278,18 @@ class CompressedColdTier(ColdTier):
     def read_tokens_into(self, layer: int, index, out: torch.Tensor) -> None:
         _, groups = index
         entries = list(groups.items())
+        patches = self.open_blocks.snapshot(layer, np.fromiter(groups, dtype=np.int64, count=len(groups)))
+        self._read_tokens_packed(layer, entries, out)
+        if patches:  # open blocks' tokens at full precision
+            self.open_blocks.apply(out, patches, lambda slot: group_tokens(groups[slot]))
+
+    def _read_tokens_packed(self, layer: int, entries: list, out: torch.Tensor) -> None:
         packed = np.empty((len(entries), self.layout.layer_bytes), dtype=np.uint8)
         with self._guard:
             for i, (slot, _) in enumerate(entries):
                 self._read_slice_locked(slot, layer, packed[i])  # checked; never an unwritten slice
         packed = torch.from_numpy(packed).to(out.device, non_blocking=True)
-        start = _span_start(entries, self.layout.block_size, out.shape[2])
+        start = cold_span_start(entries, self.layout.block_size, out.shape[2])
         if start is not None:  # the tokens run through the blocks in order: decoded straight into out
             self.codec.decode_span(packed, start, out.shape[2], out)
             return
@@ -269,30 +303,35 @@ class CompressedColdTier(ColdTier):
                 offsets = torch.as_tensor([o for _, o in items], device=out.device)
                 out[:, :, positions] = slices[i][:, :, offsets]
 
-    def _token_values(self, kv: torch.Tensor):
-        return kv.detach().to("cpu", torch.float32)
+    def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
+        """ColdTier's slice writes (locks, checksums, durability), each slice encoded from its open
+        block (open_blocks.py) by `_put_tokens`."""
+        _, groups = index
+        first = {int(group_tokens(items)[0][0]): slot for slot, items in groups.items()}
+        super().write_tokens(layer, index, TokenWrite(layer, kv.detach().to("cpu", self.codec.model_dtype), first))
+
+    def _token_values(self, kv):
+        return kv  # a TokenWrite
 
     def _put_tokens(self, buffer: np.ndarray, positions: list[int], offsets: list[int], host) -> None:
+        """One slice of a token write (ColdTier.write_tokens holds the slot's lock; `buffer`: its
+        stored bytes, zeros when it holds none)."""
+        slot, layer = host.slot_at[positions[0]], host.layer
         packed = torch.from_numpy(buffer)
-        slices = self.codec.decode(packed.unsqueeze(0), torch.float32)[0]
-        slices[:, :, offsets] = host[:, :, positions]
-        packed.copy_(self.codec.encode(slices.unsqueeze(0))[0])
+        held = bool(self.valid[slot, layer])
+        load = (lambda: self.codec.decode(packed.unsqueeze(0))[0]) if held else (lambda: None)
+        with self.open_blocks.lock:
+            piece = self.open_blocks.write(slot, layer, torch.as_tensor(offsets, dtype=torch.long),
+                                           host.values[:, :, positions], load)
+            packed.copy_(self.codec.encode(piece.unsqueeze(0))[0])
 
+    def forget(self, slots: list[int]) -> None:
+        super().forget(slots)
+        self.open_blocks.drop(slots)
 
-def _span_start(entries: list, block_size: int, num_tokens: int) -> int | None:
-    """The offset in its first block where a cold token index's tokens start, when they run through
-    its blocks in order (each block from where the last ended, every block but the first and last
-    whole, all `num_tokens` of them); else None."""
-    position = 0
-    for i, (_, items) in enumerate(entries):
-        if not isinstance(items, tuple):
-            return None
-        at, offset, count = items
-        last = i == len(entries) - 1
-        if at != position or (i and offset) or (not last and offset + count != block_size):
-            return None
-        position += count
-    return entries[0][1][1] if entries and position == num_tokens else None
+    def close(self) -> None:
+        self.open_blocks.clear()
+        super().close()
 
 
 def is_compressed(tier) -> bool:
