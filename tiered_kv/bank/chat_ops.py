@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..blocks import DROPPED, HOT, TIER_NAMES
-from ..identity import chain_keys
+from ..identity import chain_keys, refresh_for_attach
 from ..scheduler.restore import is_worth_recomputing, restore_blocks
 from ..store.reporting import count_turn_start
 from .rows import Row, common_prefix_length
@@ -35,6 +35,7 @@ class ChatOps:
         At least one token is always left to compute."""
         self._check_open()
         self._abandon_step()
+        refresh_for_attach(self)  # KV of weights (adapters) no longer acting is dropped, not reused
         started_s = time.perf_counter()
         token_ids = self._as_token_list(ids)
         if self.batch_size > 1:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 
+from ..identity import refresh_for_forward
+
 _INSTALLED_ATTR = "_tiered_kv_forward_watch"
 _INSTALL_LOCK = threading.Lock()
 
@@ -30,6 +32,7 @@ def _before_forward(module, args, kwargs):
         input_ids = kwargs.get("input_ids")
         if input_ids is None and args:
             input_ids = args[0]
+        refresh_for_forward(bank, module, input_ids)  # the weights (adapters) about to act name its new blocks
         bank._note_forward_inputs(module, input_ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
     return None
 

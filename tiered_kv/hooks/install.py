@@ -27,6 +27,7 @@ import logging
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..adapters import runtime_model
 from ..blocks import model_layer_groups
 from ..errors import LayoutError
 from ..logs import log_once
@@ -69,6 +70,7 @@ def install(model, bank, mode: str = "exact") -> None:
         raise ValueError(f"tiered_kv.hooks.install(mode={mode!r}): allowed: {sorted(MODES)}")
     if not hasattr(bank, "_start_hooked_reads"):
         raise TypeError(f"tiered_kv.hooks.install: `bank` must be a tiered_kv.CacheBank; got {type(bank).__name__}")
+    model = runtime_model(model)  # a PeftModel: the inner model's attention runs
     if bank._model_ref is None or bank._model_ref() is not model:
         raise ValueError("tiered_kv.hooks.install: the bank must be built from this model (CacheBank(model, cfg)); "
                          "a bank built from a config alone cannot see the model's forward passes")
@@ -91,6 +93,7 @@ def install(model, bank, mode: str = "exact") -> None:
 
 def uninstall(model) -> None:
     """Give `model` back the attention implementation it had before install()."""
+    model = runtime_model(model)
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         return
