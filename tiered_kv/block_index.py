@@ -48,6 +48,7 @@ class BlockIndex:
         self.placement_version = 0
         self._hot_changes: list[int] | None = []  # see take_hot_changes (None: too many to keep)
         self.clock = 0  # store steps so far (the store advances it); stamps `arrived_at`
+        self.on_removed = None  # called with each removed block's id (the access log forgets it)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def add(self, tier: int, slot: int) -> int:
@@ -66,6 +67,8 @@ class BlockIndex:
         self.placement_version += 1
         if entry.tier == HOT:
             self._note_hot_change(block_id)
+        if self.on_removed is not None:
+            self.on_removed(block_id)
         return entry
 
     def incref(self, block_id: int) -> None:

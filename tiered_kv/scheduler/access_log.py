@@ -2,8 +2,9 @@
 
 A store step is one forward pass of one bank (one chat); it reads every block of that chat.
 The store reports each step here (`record_step`) with the step's block ids, the chat's block
-tables in token order and its cost sensitivity. From that the log keeps, per block id, in numpy
-arrays that grow with the ids (ids are never reused):
+tables in token order and its cost sensitivity. From that the log keeps, per live block, in numpy
+arrays that grow with the blocks alive at once, not with the ids ever handed out (one row each,
+reused once the store removes the block: `follow(index)`, `forget_blocks`; access_rows.py):
 
   last_read_step   the store step that last read the block (-1: never read)
   num_reads        steps that read it since it was allocated, each read's count halving
@@ -35,8 +36,13 @@ last RECENT_SPEAKERS chats to take a turn) it ranked above the chat that then sp
 popular chats keep chatting, heat wins; where they leave (finished conversations), recency does;
 `heat_predicts_better` says which, lately.
 
-Recording a step costs O(its blocks) in vectorized numpy, plus O(RECENT_SPEAKERS) when it begins
-a turn, however many chats are open; reading signals costs O(blocks asked).
+Recording a step that passes the chat's previous step's numpy int64 array again (the caller never
+changes an array it passed) costs O(1), an equal new array one comparison: the chat's run of such
+steps is folded into the rows when signals are read or its ids change, bitwise as step-by-step
+recording leaves them (access_rows.py: lanes), plus O(blocks another chat's run reads too) a step.
+A step with other ids costs O(its blocks) in vectorized numpy, and O(RECENT_SPEAKERS) when it begins
+a turn, however many chats are open. Reading signals costs O(blocks asked), plus the pending runs'
+blocks the first time.
 Per chat (step owner) it keeps its latest block tables, CS and last step, so the scheduler can
 demote idle chats and the compactor can lay chats out in token order.
 """
@@ -48,6 +54,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .access_rows import BlockRows, Lane
 
 PREDICTOR_EWMA = 0.1  # weight of one turn in the predictors' running miss rates
 RECENT_SPEAKERS = 64  # a turn's speaker is ranked against at most this many chats that spoke last
@@ -85,16 +93,15 @@ class AccessLog:
         self.recency_miss = 0.5
         self.chats: dict[int, ChatRecord] = {}
         self._recent_speakers: OrderedDict[int, None] = OrderedDict()  # the last RECENT_SPEAKERS chats to take a turn
-        self._window: deque[np.ndarray] = deque()  # block ids read by each of the last window_steps steps
-        self._window_owners: deque[int] = deque()  # and whose step each was
+        self._window: deque[Lane] = deque()  # the lane of each of the last window_steps steps
         self._owner_window_steps: dict[int, int] = {}
-        self._last_read = np.full(0, -1, dtype=np.int64)
-        self._first_read = np.full(0, -1, dtype=np.int64)
-        self._num_reads = np.zeros(0, dtype=np.float64)  # decayed read count as of _reads_turn
-        self._reads_turn = np.zeros(0, dtype=np.float64)  # the turn clock at the block's last read
-        self._window_reads = np.zeros(0, dtype=np.int64)
-        self._cs = np.zeros(0, dtype=np.float64)
-        self._heat = np.full(0, -np.inf, dtype=np.float64)
+        # per live block (num_reads is the decayed read count as of reads_turn, the turn clock at its last read)
+        self._rows = BlockRows(default_cs, window_steps, self.lfu_half_life_turns)
+        self._lanes: dict[int, Lane] = {}  # owner -> the lane of its latest step
+        self._open: dict[int, Lane] = {}  # lane index -> lane, for the lanes of _lanes
+        self._pending: dict[int, Lane] = {}  # lanes with steps not folded into the rows yet
+        self._window_due: dict[int, Lane] = {}  # lanes whose window count changed since their rows took it
+        self._num_lanes = 0
         self._awaited: dict[int, tuple[int, np.ndarray]] = {}  # owner -> (step announced, its block ids)
 
     @classmethod
@@ -107,44 +114,112 @@ class AccessLog:
     def record_step(self, owner: int, block_ids, tables: list[list[int]] | None = None,
                     cost_sensitivity: float | None = None, new_turn: bool = False) -> None:
         """One store step of chat `owner` read `block_ids` (any iterable of ints, each once);
-        `new_turn`: it begins one of the chat's turns (a prefill)."""
+        `new_turn`: it begins one of the chat's turns (a prefill). A numpy int64 array is kept, not
+        copied: the caller must not change it afterwards; passing the chat's previous array again
+        (nothing new read) records the step in O(1). `tables` is kept as given (not copied)."""
         cs = self.default_cs if cost_sensitivity is None else float(cost_sensitivity)
-        ids = np.fromiter(block_ids, dtype=np.int64)
-        chat = self.chats.setdefault(owner, ChatRecord())
-        self._awaited.pop(owner, None)  # its step reads them now: recency and use take over
+        ids = block_ids if type(block_ids) is np.ndarray and block_ids.dtype == np.int64 else _as_ids(block_ids)
+        chat = self.chats.get(owner)
+        if chat is None:
+            chat = self.chats[owner] = ChatRecord()
+        if self._awaited:
+            self._awaited.pop(owner, None)  # its step reads them now: recency and use take over
         if new_turn and not chat.turn_announced:
             self._count_turn(owner, chat)
         chat.turn_announced = False  # any step of its own ends the announced turn's wait
-        if len(ids):
-            self._grow(int(ids.max()) + 1)
-            self._heat[ids] = np.maximum(self._heat[ids], chat.heat_key)
-            last = self._last_read[ids]
-            recent = (last >= 0) & (last >= self.now - self.window_steps)
-            self._cs[ids] = np.where(recent, np.maximum(self._cs[ids], cs), cs)
-            self._last_read[ids] = self.now
-            first = self._first_read[ids]
-            self._first_read[ids] = np.where(first < 0, self.now, first)
-            age_turns = self.turns - self._reads_turn[ids]
-            self._num_reads[ids] = self._num_reads[ids] * np.exp2(-age_turns / self.lfu_half_life_turns) + 1.0
-            self._reads_turn[ids] = self.turns
-            self._window_reads[ids] += 1
-        self._window.append(ids)
-        self._window_owners.append(owner)
+        lane = self._lanes.get(owner)
+        if lane is None or (ids is not lane.ids and not (len(ids) == len(lane.ids) and np.array_equal(ids, lane.ids))):
+            lane = self._open_lane(owner, ids)
+        else:
+            lane.ids = ids  # (equal to the lane's: its rows stay)
+        self._step(lane, chat.heat_key, cs)
+        self._window.append(lane)
+        lane.in_window += 1
+        self._window_due[lane.index] = lane
         self._owner_window_steps[owner] = self._owner_window_steps.get(owner, 0) + 1
         if len(self._window) > self.window_steps:
-            self._window_reads[self._window.popleft()] -= 1
-            gone = self._window_owners.popleft()
-            left = self._owner_window_steps[gone] - 1
+            gone = self._window.popleft()
+            gone.in_window -= 1
+            if gone.in_window or gone.index in self._open:
+                self._window_due[gone.index] = gone
+            else:  # a closed lane's last step left the window: done with it (kept lanes stay bounded)
+                self._window_due.pop(gone.index, None)
+                self._rows.apply_window(gone)
+            left = self._owner_window_steps[gone.owner] - 1
             if left:
-                self._owner_window_steps[gone] = left
+                self._owner_window_steps[gone.owner] = left
             else:
-                del self._owner_window_steps[gone]
+                del self._owner_window_steps[gone.owner]
         if tables is not None:
             chat.tables = tables
         chat.cost_sensitivity = cs
         chat.last_step = self.now
         chat.num_steps += 1
         self.now += 1
+
+    def _step(self, lane: Lane, heat_key: float, cs: float) -> None:
+        """The lane's chat takes a step now: one more of its pending segment, or the first of a new
+        one (the last folded in) when the turn clock, the chat's heat or its CS changed."""
+        now = self.now
+        if lane.steps and lane.turn == self.turns and lane.heat_key == heat_key and lane.cs == cs:
+            if now - lane.last > self.window_steps:
+                lane.gap = True
+            lane.steps += 1
+            lane.last = now
+        else:
+            if lane.steps:
+                self._rows.flush(lane)
+            lane.turn, lane.heat_key, lane.cs = self.turns, heat_key, cs
+            lane.steps, lane.first, lane.last, lane.gap = 1, now, now, False
+            self._pending[lane.index] = lane
+        if len(lane.eager_rows):
+            self._rows.read_shared(lane, now)
+
+    def _open_lane(self, owner: int, ids: np.ndarray) -> Lane:
+        self._close_lane(owner)
+        lane = Lane(self._num_lanes, owner, ids, self._rows.rows_for(ids))
+        self._num_lanes += 1
+        self._rows.claim_rows(lane, self._open)
+        self._lanes[owner] = self._open[lane.index] = lane
+        return lane
+
+    def _close_lane(self, owner: int) -> None:
+        lane = self._lanes.pop(owner, None)
+        if lane is not None:
+            if lane.steps:
+                self._rows.flush(lane)
+            self._pending.pop(lane.index, None)
+            del self._open[lane.index]
+            self._rows.release(lane)
+
+    def _settle(self) -> None:
+        """Fold every pending step and window change into the rows (before signals are read)."""
+        if self._pending:
+            for lane in self._pending.values():
+                if lane.steps:
+                    self._rows.flush(lane)
+            self._pending.clear()
+        if self._window_due:
+            for lane in self._window_due.values():
+                self._rows.apply_window(lane)
+            self._window_due.clear()
+
+    def forget_blocks(self, block_ids) -> None:
+        """The store removed these blocks: their rows are reused; they read as never read."""
+        self._rows.forget(_as_ids(block_ids))
+
+    def forget_block(self, block_id: int) -> None:
+        self._rows.forget_one(block_id)
+
+    def follow(self, index) -> None:
+        """Forget each block `index` (the store's BlockIndex) removes, as it removes it: every way a
+        store frees a block goes through `index.remove`, which tells its `on_removed`."""
+        index.on_removed = self._rows.forget_one
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the log's arrays hold (a bound on its memory: live blocks at most, or MIN_ROWS)."""
+        return self._rows.capacity
 
     def announce_turn(self, owner: int, block_ids) -> None:
         """`owner`'s next turn is coming (its prefetch, or attach): counted now, for its blocks too;
@@ -153,11 +228,11 @@ class AccessLog:
         if not chat.turn_announced:
             self._count_turn(owner, chat)
             chat.turn_announced = True
-        ids = np.fromiter(block_ids, dtype=np.int64)
+        ids = _as_ids(block_ids)
         self._awaited[owner] = (self.now, ids)
         if len(ids):
-            self._grow(int(ids.max()) + 1)
-            self._heat[ids] = np.maximum(self._heat[ids], chat.heat_key)
+            rows = self._rows.rows_for(ids)
+            self._rows.heat[rows] = np.maximum(self._rows.heat[rows], chat.heat_key)
 
     def _count_turn(self, owner: int, chat: ChatRecord) -> None:
         """chat's heat: decayed to now, plus one; the store's turn clock advances. First, how well
@@ -184,38 +259,29 @@ class AccessLog:
         self.chats.pop(owner, None)
         self._awaited.pop(owner, None)
         self._recent_speakers.pop(owner, None)
-
-    def _grow(self, size: int) -> None:
-        if size <= len(self._last_read):
-            return
-        new_size = max(size, 2 * len(self._last_read), 1024)
-        extra = new_size - len(self._last_read)
-        self._last_read = np.concatenate((self._last_read, np.full(extra, -1, dtype=np.int64)))
-        self._first_read = np.concatenate((self._first_read, np.full(extra, -1, dtype=np.int64)))
-        self._num_reads = np.concatenate((self._num_reads, np.zeros(extra, dtype=np.float64)))
-        self._reads_turn = np.concatenate((self._reads_turn, np.zeros(extra, dtype=np.float64)))
-        self._window_reads = np.concatenate((self._window_reads, np.zeros(extra, dtype=np.int64)))
-        self._cs = np.concatenate((self._cs, np.full(extra, self.default_cs, dtype=np.float64)))
-        self._heat = np.concatenate((self._heat, np.full(extra, -np.inf, dtype=np.float64)))
+        self._close_lane(owner)  # (its steps stay counted)
 
     # ---- signals (arrays aligned with `ids`) ----------------------------------------------------
-    def _take(self, array: np.ndarray, ids: np.ndarray, missing) -> np.ndarray:
+    def _take(self, name: str, ids, missing) -> np.ndarray:
+        self._settle()
         ids = np.asarray(ids, dtype=np.int64)
+        array = getattr(self._rows, name)
         out = np.full(len(ids), missing, dtype=array.dtype)
-        known = ids < len(array)
-        out[known] = array[ids[known]]
+        rows = self._rows.find(ids)
+        known = rows >= 0
+        out[known] = array[rows[known]]
         return out
 
     def last_read_step(self, ids) -> np.ndarray:
-        return self._take(self._last_read, ids, -1)
+        return self._take("last_read", ids, -1)
 
     def num_reads(self, ids) -> np.ndarray:
         """Reads of each block, each one halved for every `lfu_half_life_turns` turns since it."""
-        age_turns = self.turns - self._take(self._reads_turn, ids, 0.0)
-        return self._take(self._num_reads, ids, 0.0) * np.exp2(-age_turns / self.lfu_half_life_turns)
+        age_turns = self.turns - self._take("reads_turn", ids, 0.0)
+        return self._take("num_reads", ids, 0.0) * np.exp2(-age_turns / self.lfu_half_life_turns)
 
     def window_reads(self, ids) -> np.ndarray:
-        return self._take(self._window_reads, ids, 0)
+        return self._take("window_reads", ids, 0)
 
     @property
     def steps_in_window(self) -> int:
@@ -228,14 +294,14 @@ class AccessLog:
         before it exists: a chat's newest block, read by every step since, scores like its
         oldest one)."""
         ids = np.asarray(ids, dtype=np.int64)
-        first = self._take(self._first_read, ids, -1)
+        first = self._take("first_read", ids, -1)
         steps = np.clip(np.minimum(self.now - first, self.window_steps), 1, None)
         return np.where(first < 0, 0.0, self.window_reads(ids) / steps)
 
     def heat(self, ids) -> np.ndarray:
         """Each block's heat key (module docstring): higher is hotter, comparable across blocks at
         any moment; -inf for blocks no chat's turn has touched (never read yet)."""
-        return self._take(self._heat, ids, -np.inf)
+        return self._take("heat", ids, -np.inf)
 
     @property
     def heat_predicts_better(self) -> bool:
@@ -265,8 +331,15 @@ class AccessLog:
         return np.isin(ids, np.concatenate([b for _, b in self._awaited.values()]))
 
     def cost_sensitivity(self, ids) -> np.ndarray:
-        return self._take(self._cs, ids, self.default_cs)
+        return self._take("cs", ids, self.default_cs)
 
     def chat_ali(self, owner: int) -> float:
         """The share of the window's store steps that were this chat's."""
         return self._owner_window_steps.get(owner, 0) / self.steps_in_window
+
+
+def _as_ids(block_ids) -> np.ndarray:
+    """Block ids as a new int64 array (of any iterable; an array is copied, not kept)."""
+    if isinstance(block_ids, np.ndarray):
+        return np.array(block_ids, dtype=np.int64).reshape(-1)
+    return np.fromiter(block_ids, dtype=np.int64)

@@ -191,8 +191,7 @@ class StoreState:
 
     def _free_now(self, tier: int, slots: list[int]) -> None:
         self.pools[tier].free(slots)
-        forget = getattr(self.tiers[tier], "forget", None)  # (the tier is None once the store closed)
-        if forget is not None:  # cold slots lose their record; a compressed tier drops a block being filled
+        if (forget := getattr(self.tiers[tier], "forget", None)) is not None:  # (a cold record; a block being filled)
             forget(slots)
 
     def drain(self) -> None:

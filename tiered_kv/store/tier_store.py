@@ -93,6 +93,7 @@ class TierStore:
         self.state.on_collected = lambda owner: self.opening.forget(owner)  # a bank the collector took
         settings = self.config.scheduler
         self.access_log = AccessLog.from_settings(settings)
+        self.access_log.follow(self.state.index)  # it forgets the blocks the index removes: memory follows live blocks
         self.rates = Rates()  # read rates and the prefill cost, measured: what a turn restores (restore.py)
         self.scheduler = MemScheduler(settings, self.access_log)
         self.compaction = HotCompaction(self.state, self.access_log, settings)
