@@ -504,10 +504,10 @@ DECODE_VARIANTS = (
     ("bank_hot25_hooks_exact", "bank", "exact", 0.25, "hot 25%, rest warm, hooks exact"),
     ("bank_hot25_hooks_merge", "bank", "merge", 0.25,
      "hot 25%, rest warm, hooks merge: on CUDA with the native kernels a decode step runs "
-     "native/paged_decode.cu (hook_paths.layers_paged says whether it did)"),
+     "native/paged_decode.cu (hook_paths_per_step['paged'] says whether it did)"),
 )
 # CPU only: the same merge step through the paged path, the kernels' torch reference standing in
-# for native/paged_decode.cu (tiered_kv.hooks.attention.PAGED_ON_CPU, what the tests use), so a
+# for native/paged_decode.cu (tiered_kv.bank.plan.PAGED_ON_CPU, what the tests use), so a
 # dry run exercises the plumbing the GPU run's bank_hot25_hooks_merge takes
 PAGED_REF_VARIANT = ("bank_hot25_hooks_merge_paged_ref", "bank", "merge", 0.25,
                      "CPU only: hot 25%, hooks merge through the paged path (torch reference kernels)")
@@ -716,8 +716,7 @@ class DecodeVariant:
     def hook_counts(self):
         if self.kind != "bank" or self.cache is None:
             return None
-        hooks = self.cache.stats().get("hooks", {})
-        return {k: v for k, v in hooks.items() if k.startswith("layers_")}
+        return dict(self.cache.stats().get("hooks", {}).get("steps_by_read", {}))  # steps by how they read (bank/plan.py)
 
 
 class active_variant:
@@ -734,7 +733,7 @@ class active_variant:
 
             hooks.install(self.model, v.cache, mode=v.hooks_mode)
         if v.paged_ref:
-            import tiered_kv.hooks.attention as attention
+            import tiered_kv.bank.plan as attention
 
             attention.PAGED_ON_CPU = True
         return self
@@ -742,7 +741,7 @@ class active_variant:
     def __exit__(self, *exc):
         v = self.variant
         if v.paged_ref:
-            import tiered_kv.hooks.attention as attention
+            import tiered_kv.bank.plan as attention
 
             attention.PAGED_ON_CPU = False
         if v.hooks_mode is not None:
@@ -937,10 +936,10 @@ def bank_figures(v: DecodeVariant) -> None:
     v.out["bytes_moved"] = stats.get("bytes_moved")
     v.out["critical_path"] = stats.get("critical_path")
     hooks = stats.get("hooks", {})
-    v.out["stream_buffers_bytes"] = hooks.get("stream_buffers_bytes")
+    v.out["gather_buffer_bytes"] = hooks.get("gather_buffer_bytes")
     steps = sum(len(r["host_ms"]) for r in v.rounds)
     if v.hooks_before_rounds is not None and steps:
-        after = {k: n for k, n in hooks.items() if k.startswith("layers_")}
+        after = dict(hooks.get("steps_by_read", {}))
         v.out["hook_paths_per_step"] = {k: (after[k] - v.hooks_before_rounds.get(k, 0)) / steps for k in after}
 
 
@@ -1126,7 +1125,7 @@ def decode_summary(results: dict) -> dict:
                     "step_ms", "gpu_step_ms", "host_step_ms", "speed_vs_dynamic", "paired_speed_vs_dynamic",
                     "speed_vs_all_hot_same_hooks", "timed_rounds", "tokens_equal_dynamic", "logits_bitwise_equal",
                     "logits_max_abs_diff", "syncs_per_step", "sdpa_backend")}
-                line[name]["layers_paged_per_step"] = (v.get("hook_paths_per_step") or {}).get("layers_paged")
+                line[name]["paged_steps_per_step"] = (v.get("hook_paths_per_step") or {}).get("paged")
             else:
                 line[name] = {"status": v.get("status"), "error": str(v.get("error", "no figure"))[:300]}
         out[context] = {"variants": line, "control": row.get("control"), "exactness_ok": row.get("exactness_ok"),
@@ -1136,7 +1135,10 @@ def decode_summary(results: dict) -> dict:
 
 # ---- section: warm -----------------------------------------------------------------------------
 def fill_random(tensor) -> None:
-    """Random values (never zeros: METHOD.md), in chunks so no big temporary is made."""
+    """Random values (never zeros: METHOD.md), in chunks so no big temporary is made (a slab
+    that shares its storage with another tier's is filled through that storage)."""
+    if not tensor.is_contiguous():
+        tensor = getattr(tensor, "_base", None) if getattr(tensor, "_base", None) is not None else tensor.contiguous()
     flat = tensor.view(-1)
     step = 1 << 27
     for start in range(0, flat.numel(), step):
@@ -1761,7 +1763,7 @@ def print_summary(result: dict) -> None:
                 f"{f['host_step_ms']:.2f})  {_fmt(f.get('speed_vs_dynamic') or 1.0, '.2f')}x DC  "
                 f"tokens {'same' if f.get('tokens_equal_dynamic') in (True, None) else 'DIFFER'}  {bitwise}  "
                 f"syncs {_fmt(f.get('syncs_per_step'), 'g')}  sdpa {f.get('sdpa_backend')}"
-                + (f"  paged {f['layers_paged_per_step']:g}/step" if f.get("layers_paged_per_step") else "")
+                + (f"  paged {f['paged_steps_per_step']:g}/step" if f.get("paged_steps_per_step") else "")
                 + (f"  vs all hot {f['speed_vs_all_hot_same_hooks']:.2f}x" if f.get("speed_vs_all_hot_same_hooks")
                    else ""))
     warm = sections.get("warm", {}).get("summary")

@@ -141,7 +141,8 @@ def measure(model, placement: str, args, tmp: str) -> dict:
             reads_after = {tier: s["count"] for tier, s in metrics.snapshot()["read_seconds"].items()}
     finally:
         hooks.uninstall(model)
-    bank_blocks = bank.stats()["bank_blocks"]
+    stats = bank.stats()
+    bank_blocks, steps_by_read = stats["bank_blocks"], stats["hooks"]["steps_by_read"]
     bank.close()
     median = {variant: statistics.median(values) for variant, values in samples.items()}
     ns = op_ns()
@@ -155,6 +156,7 @@ def measure(model, placement: str, args, tmp: str) -> dict:
         # each round's on and off ran back to back: the median of their ratios drops slow drifts of the machine
         "paired_ratio_on_off": statistics.median(a / b for a, b in zip(samples["on"], samples["off"])),
         "bank_blocks": bank_blocks,
+        "steps_by_read": steps_by_read,  # how its steps read their blocks (bank/plan.py)
         "read_observations_per_round": {t: n - reads_before.get(t, 0) for t, n in reads_after.items()},
         "off_counted_nothing": off_counted == 0,
         "control": args.control,

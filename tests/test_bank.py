@@ -347,14 +347,16 @@ def test_blocks_stay_pinned_until_the_last_layers_attention_is_done(tmp_path):
     def after_last_layer(module, args, output):
         seen["pinned"] = [store.state.is_pinned(b) for b in seen["bank"].block_table(0)]
 
+    model(_ids(70, 9), cache=hooked)  # history whose blocks the next steps read
+    model(_ids(71, 9), cache=unhooked)
     handle = model.model.layers[-1].register_forward_hook(after_last_layer)
     try:
         seen["bank"] = hooked
-        model(_ids(70, 9), cache=hooked)
+        model(_ids(72, 1), cache=hooked)  # (a hooked step commits, and unpins, at the forward's end)
         assert seen["pinned"] and all(seen["pinned"])
         seen["bank"] = unhooked
-        model(_ids(71, 9), cache=unhooked)
-        assert not any(seen["pinned"])
+        model(_ids(73, 1), cache=unhooked)  # (committed at its last layer)
+        assert seen["pinned"] and not any(seen["pinned"])
     finally:
         handle.remove()
     assert not any(store.state.is_pinned(b) for b in hooked.block_table(0))  # the forward's end unpinned

@@ -86,8 +86,8 @@ def test_gpu_check_quick_mode(tmp_path):
         assert row["exactness_ok"] is True, row["exactness_off"]
         assert variants["bank_hot25"]["bank_blocks"]["warm"] > 0, context  # the budget put history in warm
         hooked = variants["bank_hot25_hooks_exact"]["hook_paths_per_step"]
-        assert sum(hooked.values()) >= 1 and hooked["layers_paged"] == 0, hooked
-        assert variants["bank_hot25_hooks_merge_paged_ref"]["hook_paths_per_step"]["layers_paged"] > 0
+        assert sum(hooked.values()) >= 1 and hooked["paged"] == 0, hooked
+        assert variants["bank_hot25_hooks_merge_paged_ref"]["hook_paths_per_step"]["paged"] > 0
         assert variants["dynamic"]["sdpa_backend"] in ("flash_cpu", "math"), variants["dynamic"]["sdpa_backend"]
         summary = decode["summary"][context]
         assert set(summary["variants"]) == set(VARIANTS) and summary["rounds"] == len(rounds)

@@ -30,12 +30,12 @@ def test_metrics_overhead_bench_smallest_size(tmp_path):
         assert all(math.isfinite(v) and v > 0 for v in (on, off)), name
         assert math.isclose(row["ratio_on_off"], on / off), name
         assert row["paired_ratio_on_off"] > 0, name
-    # offload reads history out of the lower tiers each layer and step: those reads were timed
-    assert rows["offload"]["read_observations_per_round"].get("warm", 0) > 0
-    assert sum(rows["hot"]["read_observations_per_round"].values()) == 0
+    # offload reads history out of warm at every step: gathered with hot's by one index per layer
+    # (a CPU store's hot and paged warm share one slab), so no separate read is timed
     assert rows["offload"]["bank_blocks"]["warm"] > 0
-    # counted ops: the offload case times its lower-tier reads, so it observes more than hot does
-    assert rows["offload"]["ops_per_step"]["observe"] > rows["hot"]["ops_per_step"]["observe"]
-    assert rows["hot"]["ops_per_step"]["inc"] > 0
+    assert rows["offload"]["steps_by_read"]["gather"] > 0 and rows["offload"]["steps_by_read"]["staged"] == 0
+    for name in ("hot", "offload"):  # neither reads a block out of a tier: nothing is timed per layer
+        assert sum(rows[name]["read_observations_per_round"].values()) == 0, name
+        assert rows[name]["ops_per_step"]["inc"] > 0, name
     assert 0 < rows["offload"]["estimated_share_of_step"] < 1
     assert set(result["summary"]) == {"target_ratio", "met", "tokens_equal_everywhere"}

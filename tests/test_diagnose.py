@@ -3,7 +3,7 @@ fire when the numbers say so and only then, and the CLI's JSON, text and exit co
 
 Expected numbers are worked out here from the model config and the tier config (layers x KV
 heads x head_dim x 2 x 4 bytes x tokens, rounded up to blocks; capacity x block bytes), from the
-tensors themselves (parameters, the stream buffers caught as they are made), from the block
+tensors themselves (parameters, the gather buffer caught as it is made), from the block
 file on disk, or by hand, never read back from the code under test.
 """
 
@@ -127,21 +127,21 @@ def test_weights_are_the_parameter_bytes_with_a_tied_tensor_once(tmp_path):
 
 
 @pytest.mark.parametrize("background", (True, False))
-def test_staging_and_stream_buffers_are_their_tensors_bytes(background, model, tmp_path, monkeypatch):
-    from tiered_kv.hooks import reads as layer_reads
-    made = {}  # buffer index -> the flat tensor the bank holds for it now
-    original_get = layer_reads.StreamBuffers.get
+def test_staging_and_gather_buffer_are_their_tensors_bytes(background, model, tmp_path, monkeypatch):
+    from tiered_kv.bank import plan
+    made = {}  # the flat tensor the bank holds now
+    original_views = plan.GatherBuffer.views
 
-    def spy(self, index, shape):
-        view = original_get(self, index, shape)
-        made[index] = self._flat[index]
-        return view
+    def spy(self, *args):
+        views = original_views(self, *args)
+        made[0] = self._flat
+        return views
 
-    monkeypatch.setattr(layer_reads.StreamBuffers, "get", spy)
+    monkeypatch.setattr(plan.GatherBuffer, "views", spy)
     cfg = config(tmp_path, hot_blocks=2, warm_blocks=64, cold_blocks=0, background=background)
     report = diagnose(model, None, cfg, prompt_tokens=PROMPT_TOKENS, new_tokens=NEW_TOKENS)
-    assert made, "the prompt spilled to warm, so history must have been gathered into stream buffers"
-    assert report.buffers.stream_buffers_bytes == sum(t.numel() * t.element_size() for t in made.values())
+    assert made, "the prompt spilled to warm, so history must have been gathered into the buffer"
+    assert report.buffers.gather_buffer_bytes == sum(t.numel() * t.element_size() for t in made.values())
     block_bytes = block_bytes_by_hand(model)
     # host staging: 32 MiB worth of blocks, at most the largest tier; the mover's: 16 MiB worth
     assert report.buffers.staging_host_bytes == min(32 * 2**20 // block_bytes, 64) * block_bytes
@@ -150,9 +150,9 @@ def test_staging_and_stream_buffers_are_their_tensors_bytes(background, model, t
     assert report.buffers.staging_device_bytes == report.buffers.mover_staging_device_bytes == 0  # CPU
 
 
-def test_stream_buffers_are_zero_when_the_prompt_is_read_in_place(model, tmp_path):
+def test_the_gather_buffer_is_zero_when_the_prompt_is_read_in_place(model, tmp_path):
     report = diagnose(model, None, config(tmp_path, 64), prompt_tokens=PROMPT_TOKENS, new_tokens=NEW_TOKENS)
-    assert report.buffers.stream_buffers_bytes == 0
+    assert report.buffers.gather_buffer_bytes == 0
     assert report.kv.tiers["hot"].prompt_blocks == report.kv.blocks
 
 
@@ -168,7 +168,7 @@ def test_activation_peak_is_the_mlp_worked_out_by_hand(tmp_path):
     hooks.uninstall(wide)
     mlp_bytes = 3 * tokens * intermediate * FP32_BYTES
     assert mlp_bytes <= report.activations.peak_bytes <= mlp_bytes * 1.15
-    assert report.activations.retained_bytes == 0  # read in place: no stream buffer, output ids dropped
+    assert report.activations.retained_bytes == 0  # read in place: no gather buffer, output ids dropped
 
 
 def test_live_tensor_bytes_counts_created_storages_once_until_they_die():
@@ -308,7 +308,7 @@ def _json_figure(data: dict, label: str) -> int | None:
         "staging: hot<->warm (device)": ("buffers", "staging_device_bytes"),
         "staging: mover (host)": ("buffers", "mover_staging_host_bytes"),
         "staging: mover (device)": ("buffers", "mover_staging_device_bytes"),
-        "stream buffers": ("buffers", "stream_buffers_bytes"),
+        "gather buffer": ("buffers", "gather_buffer_bytes"),
         "process RSS: before generate()": ("process", "rss_before_bytes"),
         "process RSS: peak of generate()": ("process", "rss_peak_bytes"),
         "process RSS: after generate()": ("process", "rss_after_bytes"),

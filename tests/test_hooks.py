@@ -1,9 +1,11 @@
-"""tiered_kv.hooks: attention reads the bank's blocks in place (issue 8).
+"""tiered_kv.hooks: the bank under a model's attention (issues 8, 34).
 
 exact mode must give logits bitwise equal to transformers' sdpa over a DynamicCache, and greedy /
 beam / left-padded tokens equal to it in every tier configuration; merge mode equal tokens and
-logits within float tolerance. The per-layer tallies in stats()["hooks"] prove which path ran
-(view, gathered, streamed a layer ahead, merged), so a silent fallback cannot pass these tests.
+logits within float tolerance (its paged kernel runs here through the kernels' torch reference).
+The tallies in stats()["hooks"]["steps_by_read"] prove how each step read its blocks (views,
+one gather per layer, the paged kernel, staged through the lease), so a silent fallback cannot
+pass these tests.
 """
 
 from __future__ import annotations
@@ -45,12 +47,8 @@ def _logits_per_step(model, cache, ids, steps: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.fixture
-def streaming(request, monkeypatch):
-    """Force the stream worker on or off (on CPU it runs only when a core is spare)."""
-    from tiered_kv.hooks import reads as layer_reads
-    monkeypatch.setattr(layer_reads, "CPU_STREAMING", request.param)
-    return request.param
+def _reads(bank) -> dict:
+    return bank.stats()["hooks"]["steps_by_read"]
 
 
 def _logits_per_step_in_mode(model, config, mode):
@@ -64,50 +62,33 @@ def _logits_per_step_in_mode(model, config, mode):
         bank.close()
 
 
-@pytest.mark.parametrize("streaming", ("on", "off"), indirect=True)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", TIER_KINDS)
-def test_exact_logits_are_bitwise_equal_to_sdpa(kind, streaming, model, tmp_path):
+def test_logits_are_bitwise_equal_to_sdpa_on_cpu(kind, mode, model, tmp_path):
+    """Exact everywhere; merge too on a CPU (no native kernels: its steps read as exact's)."""
     assert model.config._attn_implementation == "sdpa"
     expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(1, 23), 6)
     bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path))
-    hooks.install(model, bank)
+    hooks.install(model, bank, mode=mode)
     got = _logits_per_step(model, bank, _turn_ids(1, 23), 6)
     for step, (a, b) in enumerate(zip(got, expected)):
         assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
-    counts = bank.stats()["hooks"]
-    assert counts["mode"] == "exact"
-    fast = _logits_per_step_in_mode(model, tier_config(kind, tmp_path / "fast"), "fast")
-    for step, (a, b) in enumerate(zip(fast, expected)):  # fast: the same path, no copy on CUDA: bitwise on CPU
-        assert torch.equal(a, b), f"fast, step {step}: max diff {(a - b).abs().max().item()}"
-    if kind == "all_hot":
-        assert counts["layers_view"] > 0 and counts["layers_streamed"] == 0
-    elif streaming == "on":  # history below hot: fetched a layer ahead by the stream worker
-        assert counts["layers_streamed"] > 0  # (a prefill with no history has nothing to fetch ahead)
-    else:  # gathered in the model's thread
-        assert counts["layers_gathered"] > 0 and counts["layers_streamed"] == 0
-    bank.close()
-
-
-@pytest.mark.parametrize("streaming", ("on", "off"), indirect=True)
-@pytest.mark.parametrize("kind", ("forces_warm", "forces_cold"))
-def test_merge_logits_match_sdpa_within_float_tolerance(kind, streaming, model, tmp_path):
-    expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(2, 23), 6)
-    bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path))
-    hooks.install(model, bank, mode="merge")
-    got = _logits_per_step(model, bank, _turn_ids(2, 23), 6)
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    counts = bank.stats()["hooks"]
-    assert counts["mode"] == "merge" and counts["layers_merged"] > 0
+    assert bank.stats()["hooks"]["mode"] == mode
+    reads = _reads(bank)
+    if kind == "all_hot":  # consecutive hot slots: views, nothing copied
+        assert reads == {"view": 7, "gather": 0, "paged": 0, "staged": 0}, reads
+    elif kind == "forces_warm":  # hot and paged warm share the CPU slab: one gather per layer
+        assert reads["gather"] >= 5 and reads["staged"] == 0, reads
+    else:  # blocks in cold are read through the lease
+        assert reads["staged"] > 0, reads
     bank.close()
 
 
 @pytest.mark.parametrize("layout", ("paged", "records"))
-def test_merge_reads_a_paged_warm_run_in_place(layout, model, tmp_path):
-    """A CPU store's warm slab is paged (warm.layout auto): a step whose history spilled to warm
-    reads the warm run as a view of the slab beside the hot one; with records (a GPU's layout)
-    the warm part is gathered.
-    Logits match sdpa either way."""
+def test_a_spilled_step_reads_warm_where_the_layout_lets_it(layout, model, tmp_path):
+    """A CPU store's paged warm slab shares hot's token axis: a step whose history spilled to warm
+    gathers hot and warm with one index per layer. With records (a GPU's warm layout) the step
+    reads through the lease. Logits equal sdpa's either way."""
     config = {"block_size": 4, "hot": {"device": "cpu", "capacity_blocks": 3},
               "warm": {"capacity_blocks": 64, "layout": layout}, "cold": {"capacity": 0}}
     expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(5, 30), 4)
@@ -115,12 +96,12 @@ def test_merge_reads_a_paged_warm_run_in_place(layout, model, tmp_path):
     hooks.install(model, bank, mode="merge")
     got = _logits_per_step(model, bank, _turn_ids(5, 30), 4)
     for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    counts = bank.stats()["hooks"]
-    if layout == "paged":  # (a step whose hot blocks are not one slice is gathered)
-        assert counts["layers_merged"] > 0 and counts["lower_runs_in_place"] > 0, counts
+        assert torch.equal(a, b)
+    reads = _reads(bank)
+    if layout == "paged":  # (a step whose blocks happen to lie in one run of the slab is read as a view)
+        assert reads["gather"] > 0 and reads["gather"] + reads["view"] == 5 and reads["staged"] == 0, reads
     else:
-        assert counts["lower_runs_in_place"] == 0 and counts["layers_gathered"] > 0, counts
+        assert reads["staged"] == 5 and reads["gather"] == 0, reads
     bank.close()
 
 
@@ -143,8 +124,7 @@ def test_greedy_multiturn_with_hooks_matches_dynamic_cache(arch, kind, mode, tmp
         hooks.install(model, bank, mode=mode)
         assert torch.equal(out_bank, out_dyn), f"turn {turn}: {out_bank.tolist()} != {out_dyn.tolist()}"
         ids = torch.cat([out_bank, _turn_ids(turn + 1, 6)], 1)
-    counts = bank.stats()["hooks"]
-    assert sum(v for k, v in counts.items() if k.startswith("layers_")) > 0
+    assert sum(_reads(bank).values()) == 3 * 9  # every step counted once
     hooks.uninstall(model)
     bank.close()
 
@@ -161,7 +141,8 @@ def test_beam_search_with_hooks_matches_dynamic_cache(kind, mode, model, tmp_pat
     bank = tiered_kv.CacheBank(model, config)
     hooks.install(model, bank, mode=mode)
     assert torch.equal(model.generate(ids, cache=bank, **kwargs), expected)
-    assert bank.stats()["hooks"]["layers_gathered"] + bank.stats()["hooks"]["layers_streamed"] > 0  # 2 rows
+    reads = _reads(bank)
+    assert reads["view"] == 0 and reads["gather" if kind != "forces_cold" else "staged"] > 0, reads  # 2 rows
     bank.close()
 
 
@@ -181,32 +162,29 @@ def test_left_padded_batch_with_hooks_matches_dynamic_cache(kind, mode, model, t
     bank.close()
 
 
-@pytest.mark.parametrize("streaming", ("on",), indirect=True)
-def test_stream_buffers_are_two_layers_of_one_chat_and_reused(streaming, model, tmp_path):
-    """Beyond the hot budget the hooks use exactly two buffers of one layer's K/V, grown (by a
-    quarter at least) only when the chat outgrows them, never allocated per step."""
+def test_the_gather_buffer_is_one_layer_of_one_chat_and_reused(model, tmp_path):
+    """Beyond the hot budget a step gathers into one buffer of one layer's K/V (whole blocks),
+    grown by a quarter at least only when the chat outgrows it, never allocated per step."""
     bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
     hooks.install(model, bank)
     ids = _turn_ids(3, 30)
     new_tokens = 40
     model.generate(ids, cache=bank, max_new_tokens=new_tokens, do_sample=False)
     layout = bank.store.layout
-    tokens = bank.get_seq_length()
-    one_layer_bytes = 2 * layout.num_kv_heads * tokens * layout.head_dim * 4  # K and V, fp32
-    used = bank.stats()["hooks"]["stream_buffers_bytes"]
-    assert one_layer_bytes <= used <= 2 * 1.25 * one_layer_bytes + 64
-    # 40 steps grew the chat from 30 to 70 tokens: the first allocation, then growth by >= 25%
-    # (30 -> 37 -> 46 -> 58 -> 72) is at most 5 per buffer for 80 streamed layers
-    assert bank.stats()["hooks"]["layers_streamed"] >= (new_tokens - 1) * 2  # every decode step; the prefill has no history
-    assert bank._stream_buffers.num_allocations <= 2 * 5
+    blocks = -(-bank.get_seq_length() // layout.block_size)
+    one_layer_bytes = 2 * layout.num_kv_heads * blocks * layout.block_size * layout.head_dim * 4  # K and V, fp32
+    used = bank.stats()["hooks"]["gather_buffer_bytes"]
+    assert one_layer_bytes <= used <= 1.25 * one_layer_bytes + 64 * 4 * 2 * layout.num_kv_heads * layout.head_dim
+    reads = _reads(bank)
+    assert reads["gather"] > 0 and reads["gather"] + reads["view"] == new_tokens and reads["staged"] == 0, reads
+    # 40 steps grew the chat from 8 to 18 blocks: the first allocation, then growth by >= 25% (8 10 12 15 18)
+    assert 1 <= bank._gather_buffer.num_allocations <= 5
     bank.close()
 
 
-@pytest.mark.parametrize("streaming", ("on", "off"), indirect=True)
-def test_a_corrupt_cold_block_is_never_served_through_the_stream_worker(streaming, model, tmp_path):
-    """A byte of a cold record rots between turns; the streamed read of that layer fails its
-    checksum: the step is rolled back and the bank cut before the block; the retry recomputes it
-    and equals DynamicCache."""
+def test_a_corrupt_cold_block_is_never_served(model, tmp_path):
+    """A byte of a cold record rots between turns; the next turn's check of its history finds
+    it: the bank is cut before the block; the retry recomputes it and equals DynamicCache."""
     bank = tiered_kv.CacheBank(model, tier_config("forces_cold", tmp_path))
     hooks.install(model, bank)
     ids = rand_ids(5, 30)
@@ -216,7 +194,7 @@ def test_a_corrupt_cold_block_is_never_served_through_the_stream_worker(streamin
     assert cold, "the config must have pushed history to cold"
     victim = cold[-1]
     position = bank.block_table(0).index(victim)
-    flip_cold_byte(store, victim, 1 * store.layout.layer_bytes + 3)  # layer 1: fetched by the worker
+    flip_cold_byte(store, victim, 1 * store.layout.layer_bytes + 3)  # layer 1
     follow = torch.cat([out, rand_ids(6, 3)], 1)
     with pytest.raises(tiered_kv.CorruptBlockError):
         model.generate(follow, cache=bank, max_new_tokens=5, do_sample=False)
@@ -227,8 +205,7 @@ def test_a_corrupt_cold_block_is_never_served_through_the_stream_worker(streamin
     bank.close()
 
 
-@pytest.mark.parametrize("streaming", ("on",), indirect=True)
-def test_banks_in_threads_share_a_hooked_model(streaming, model, tmp_path):
+def test_banks_in_threads_share_a_hooked_model(model, tmp_path):
     store = tiered_kv.TierStore(tier_config("forces_cold", tmp_path))
     banks = [tiered_kv.CacheBank(model, store=store) for _ in range(2)]
     hooks.install(model, banks[0])
@@ -259,7 +236,7 @@ def test_banks_in_threads_share_a_hooked_model(streaming, model, tmp_path):
             ids = torch.cat([ids, rand_ids(60 + turn, 4)], 1)
         assert torch.equal(results[i], ids)
     for bank in banks:
-        assert bank.stats()["hooks"]["layers_streamed"] + bank.stats()["hooks"]["layers_view"] > 0
+        assert sum(_reads(bank).values()) == 2 * 5
         bank.close()
     store.close()
 
@@ -272,10 +249,9 @@ def test_uninstall_restores_sdpa_and_the_bank_keeps_working(model, tmp_path):
     out = model.generate(ids, cache=bank, max_new_tokens=4, do_sample=False)
     hooks.uninstall(model)
     assert model.config._attn_implementation == "sdpa" and hooks.installed_mode(model) is None
-    before = dict(bank.stats()["hooks"])
     follow = torch.cat([out, _turn_ids(10, 3)], 1)
     got = model.generate(follow, cache=bank, max_new_tokens=4, do_sample=False)
-    assert bank.stats()["hooks"] == {**before, "mode": None}  # the hooked path no longer runs
+    assert bank.stats()["hooks"]["mode"] is None
     assert torch.equal(got, model.generate(follow, max_new_tokens=4, do_sample=False))
     bank.close()
 
@@ -312,8 +288,11 @@ def test_attention_layers_without_layer_idx_are_refused(model, tmp_path):
 
 def test_install_checks_mode_and_bank(model, tmp_path):
     bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))
-    with pytest.raises(ValueError, match="allowed: \\['exact', 'fast', 'merge'\\]"):
+    with pytest.raises(ValueError, match="allowed: \\['exact', 'merge'\\]"):
         hooks.install(model, bank, mode="paged")
+    hooks.install(model, bank, mode="fast")  # the name of earlier releases
+    assert hooks.installed_mode(model) == "merge"
+    hooks.uninstall(model)
     config_bank = tiered_kv.CacheBank(model.config, tier_config("all_hot", tmp_path / "b"))
     with pytest.raises(ValueError, match="built from this model"):
         hooks.install(model, config_bank)
@@ -329,15 +308,15 @@ def test_merge_decode_through_the_paged_kernel_path(kind, model, tmp_path, monke
     """On a GPU, merge-mode decode steps over hot and warm blocks run the native paged decode
     kernel (native/paged_decode.cu). Here the same path runs through the kernel's torch reference
     (same signature): logits within float tolerance, tokens equal, the path counted."""
-    from tiered_kv.hooks import attention
-    monkeypatch.setattr(attention, "PAGED_ON_CPU", True)
+    from tiered_kv.bank import plan
+    monkeypatch.setattr(plan, "PAGED_ON_CPU", True)
     expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(8, 21), 5)
     bank = tiered_kv.CacheBank(model, tier_config(kind, tmp_path))
     hooks.install(model, bank, mode="merge")
     got = _logits_per_step(model, bank, _turn_ids(8, 21), 5)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert bank.stats()["hooks"]["layers_paged"] == 5 * model.config.num_hidden_layers
+    assert _reads(bank)["paged"] == 5  # every decode step
     bank.close()
 
 
@@ -361,8 +340,6 @@ def test_a_failure_inside_hooked_attention_rolls_the_step_back(mode, model, tmp_
         return real(module, *args, **kwargs)
 
     monkeypatch.setattr(attention, "sdpa_attention_forward", failing)
-    monkeypatch.setattr(attention, "attention_with_lse", lambda *a, **k: (_ for _ in ()).throw(
-        RuntimeError("injected failure in a merged attention")))
     follow = torch.cat([out, _turn_ids(22, 4)], 1)
     with pytest.raises(RuntimeError, match="injected failure"):
         model.generate(follow, cache=bank, max_new_tokens=2, do_sample=False)
@@ -373,40 +350,3 @@ def test_a_failure_inside_hooked_attention_rolls_the_step_back(mode, model, tmp_
     hooks.uninstall(model)
     assert torch.equal(got, model.generate(follow, max_new_tokens=4, do_sample=False))
     bank.close()
-
-
-def test_warm_history_through_the_native_gather_path(model, tmp_path, monkeypatch):
-    """On a GPU, whole warm blocks reach a hooked step's buffer through native/gather_blocks.cu
-    reading the page-locked slab (UVA). Here the same calls run through the kernels' torch
-    reference: logits still bitwise equal to sdpa."""
-    import dataclasses
-    from tiered_kv import kernels
-    from tiered_kv.tiers import warm
-    monkeypatch.setattr(warm, "GATHER_WITH_KERNEL_ON_CPU", True)
-    calls = []
-    ops = kernels.get_ops()
-    counted = dataclasses.replace(ops, gather_blocks=lambda *a: (calls.append(1), ops.gather_blocks(*a))[1])
-    monkeypatch.setattr(kernels, "get_ops", lambda: counted)
-    expected = _logits_per_step(model, DynamicCache(config=model.config), _turn_ids(31, 26), 5)
-    bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path, warm_layout="records"))  # a GPU's warm
-    hooks.install(model, bank)
-    got = _logits_per_step(model, bank, _turn_ids(31, 26), 5)
-    for a, b in zip(got, expected):
-        assert torch.equal(a, b)
-    assert calls, "the gather kernel's path did not run"
-    bank.close()
-
-
-def test_a_part_no_query_sees_weighs_nothing_in_the_merge():
-    """torch's CPU flash kernel gives a query whose keys are all masked lse 0 (not -inf): the
-    merge must still give that part no weight."""
-    from tiered_kv.hooks.attention import attention_with_lse, merge_partials
-    torch.manual_seed(0)
-    query, key, value = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
-    mask = torch.ones(1, 1, 3, 6, dtype=torch.bool)
-    mask[..., 0, 3:] = False  # query 0 sees only the first part's keys
-    whole, _ = attention_with_lse(query, key, value, mask, 0.3)
-    outs, lses = zip(*(attention_with_lse(query, key[:, :, s], value[:, :, s], mask[..., s], 0.3)
-                       for s in (slice(0, 3), slice(3, 6))))
-    assert torch.isinf(lses[1][..., 0]).all()
-    torch.testing.assert_close(merge_partials(list(outs), list(lses)), whole, rtol=1e-5, atol=1e-6)

@@ -59,23 +59,20 @@ def test_a_decode_step_takes_the_store_lock_a_few_times_whatever_the_number_of_l
     assert per_step[8] <= 4, per_step
 
 
-def test_the_stream_worker_reads_without_the_store_lock(tmp_path, monkeypatch):
-    from tiered_kv.hooks import reads
-
-    monkeypatch.setattr(reads, "CPU_STREAMING", "on")
+def test_a_step_reads_cold_blocks_without_the_store_lock(tmp_path, monkeypatch):
     model = tiny_model("llama")
     bank = tiered_kv.CacheBank(model, tier_config("forces_cold", tmp_path))
     hooks.install(model, bank)
     store = bank.store
     seen = []
     cold = store.tiers[2]
-    real = cold.read_tokens_into
+    real = cold.read_tokens
 
-    def spy(layer, index, out):
-        seen.append((threading.current_thread().name, store.lock.held_by_me))
-        return real(layer, index, out)
+    def spy(layer, index):
+        seen.append(store.lock.held_by_me)
+        return real(layer, index)
 
-    monkeypatch.setattr(cold, "read_tokens_into", spy)
+    monkeypatch.setattr(cold, "read_tokens", spy)
     ids = rand_ids(8, 30)
     out = greedy(model, ids, bank, 3)
     follow = torch.cat([out, rand_ids(9, 2)], 1)
@@ -83,8 +80,7 @@ def test_the_stream_worker_reads_without_the_store_lock(tmp_path, monkeypatch):
     got = greedy(model, follow, bank, 3)
     hooks.uninstall(model)
     assert torch.equal(got, reference(model, follow, 3))
-    worker_reads = [held for name, held in seen if name.startswith("tiered-kv-stream")]
-    assert worker_reads and not any(worker_reads)
+    assert seen and not any(seen)
     bank.close()
 
 
@@ -200,53 +196,34 @@ def test_a_step_that_outlives_its_store_fails_cleanly_instead_of_reading_a_close
         cold.read_blocks([0])
 
 
-# ---- attention without its handle ----------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ("exact", "merge"))
-def test_attention_that_gets_another_kwargs_dict_than_the_cache_raises(mode, tmp_path, monkeypatch):
-    """A model that hands attention a copy of the kwargs it gave cache.update() (the handle lost)
-    would attend over the new tokens alone: the hooks raise instead of computing wrong attention."""
-    model = tiny_model("llama")
-    bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
-    hooks.install(model, bank, mode=mode)
-    function = attention.exact_attention if mode == "exact" else attention.merge_attention
-
-    def without_handle(module, query, key, value, attention_mask, **kwargs):
-        kwargs.pop(attention.LAYER_KEY, None)  # what a model passing another dict looks like
-        return function(module, query, key, value, attention_mask, **kwargs)
-
-    from transformers import AttentionInterface
-    AttentionInterface.register(hooks.MODES[mode][0], without_handle)
-    try:
-        with pytest.raises(attention.MissingLayerHandle, match="did not get the handle"):
-            greedy(model, rand_ids(3, 12), bank, 2)
-    finally:
-        AttentionInterface.register(hooks.MODES[mode][0], function)
-    assert bank.get_seq_length() == 0 and bank.store.check_consistency() == []
-    ids = rand_ids(3, 12)
-    assert torch.equal(greedy(model, ids, bank, 2), reference(model, ids, 2))  # the retry, handle passed
-    hooks.uninstall(model)
-    bank.close()
-
-
-def test_the_paged_kernel_step_fetches_nothing_ahead(tmp_path, monkeypatch):
-    """merge mode, decode, blocks in hot and warm: the paged kernel reads them where they lie, so
-    the planner starts no stream-worker fetch for the step (issue 16: never prefetch what the paged
-    kernel reads in place)."""
-    from tiered_kv.hooks import reads
-
-    monkeypatch.setattr(attention, "PAGED_ON_CPU", True)
-    monkeypatch.setattr(reads, "CPU_STREAMING", "on")
+# ---- attention without its plan ------------------------------------------------------------------------
+def test_paged_attention_that_gets_another_kwargs_dict_than_the_cache_raises(tmp_path, monkeypatch):
+    """A paged step's update() hands back only the new token and leaves the step's plan in the
+    kwargs it gave cache.update(); a model handing attention a copy of them (the plan lost) would
+    attend over the new token alone: the hooks raise instead of computing wrong attention. Exact
+    steps hand attention the whole K/V and need nothing in the kwargs."""
+    from tiered_kv.bank import plan as step_plan
+    monkeypatch.setattr(step_plan, "PAGED_ON_CPU", True)  # the paged path through the kernels' torch reference
     model = tiny_model("llama")
     bank = tiered_kv.CacheBank(model, tier_config("forces_warm", tmp_path))
     hooks.install(model, bank, mode="merge")
-    submitted = []
-    real_submit = bank.store.stream_worker.submit
-    monkeypatch.setattr(bank.store.stream_worker, "submit", lambda *a: submitted.append(a) or real_submit(*a))
-    ids = rand_ids(4, 22)
-    out = greedy(model, ids, bank, 4)
-    counts = bank.stats()["hooks"]
+    function = attention.merge_attention
+
+    def without_plan(module, query, key, value, attention_mask, **kwargs):
+        kwargs.pop(hooks.PAGED_KEY, None)  # what a model passing another dict looks like
+        return function(module, query, key, value, attention_mask, **kwargs)
+
+    from transformers import AttentionInterface
+    AttentionInterface.register(hooks.MODES["merge"][0], without_plan)
+    ids = rand_ids(3, 12)
+    try:
+        with pytest.raises(attention.MissingPlan, match="did not get its step's plan"):
+            greedy(model, ids, bank, 2)  # (the prefill is no paged step: the first decode step raises)
+    finally:
+        AttentionInterface.register(hooks.MODES["merge"][0], function)
+    assert bank.get_seq_length() == 12 and bank.store.check_consistency() == []  # the prefill stays, the step went
+    assert torch.equal(greedy(model, ids, bank, 2), reference(model, ids, 2))  # the retry, plan passed
     hooks.uninstall(model)
-    assert counts["layers_paged"] > 0
-    assert submitted == [], f"{len(submitted)} layer fetches for steps the paged kernel served"
-    assert torch.equal(out, reference(model, ids, 4))  # (merge mode: equal to ~1e-6; these tokens agree)
     bank.close()
+
+

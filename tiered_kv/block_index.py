@@ -10,17 +10,20 @@ per tier, every block in recency order (oldest first) and, separately, the unref
 (the only ones that may be dropped). A block that arrives in a tier, by allocation or by a move,
 enters at the recent end; `touch` moves blocks there too. `order_version` changes whenever any
 ordering changes and `placement_version` whenever any block changes tier or slot, so a bank can
-tell in O(1) that nothing moved since its last step.
+tell in O(1) that nothing moved since its last step, and `moved_since` which of its blocks did in
+O(moves since). A step's recency touch (`touch_later`) is applied lazily, before anything reads or
+changes an order: a decode step costs O(1) however many blocks its chat holds.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from .blocks import DROPPED, HOT, NUM_TIERS
 
 MAX_HOT_CHANGES_KEPT = 4096  # hot placement changes kept for the compactor between two looks
+MAX_MOVES_KEPT = 4096  # recent placement changes kept for `moved_since` (older: "maybe")
 
 
 @dataclass
@@ -47,11 +50,14 @@ class BlockIndex:
         self.order_version = 0
         self.placement_version = 0
         self._hot_changes: list[int] | None = []  # see take_hot_changes (None: too many to keep)
+        self._moves: deque[tuple[int, int]] = deque(maxlen=MAX_MOVES_KEPT)  # (placement_version, block id)
+        self._touches: OrderedDict[int, object] = OrderedDict()  # owner -> block ids, touched last, not applied yet
         self.clock = 0  # store steps so far (the store advances it); stamps `arrived_at`
         self.on_removed = None  # called with each removed block's id (the access log forgets it)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def add(self, tier: int, slot: int) -> int:
+        self._apply_touches()
         block_id = self._next_id
         self._next_id += 1
         self._entries[block_id] = BlockEntry(tier, slot, ref_count=1, arrived_at=self.clock)
@@ -60,11 +66,12 @@ class BlockIndex:
         return block_id
 
     def remove(self, block_id: int) -> BlockEntry:
+        self._apply_touches()
         entry = self._entry(block_id)
         self.unpublish(block_id)
         self._leave_tier(block_id, entry)
         del self._entries[block_id]
-        self.placement_version += 1
+        self._moved(block_id)
         if entry.tier == HOT:
             self._note_hot_change(block_id)
         if self.on_removed is not None:
@@ -89,14 +96,59 @@ class BlockIndex:
     # ---- placement -------------------------------------------------------------------------
     def touch(self, block_ids) -> None:
         """These blocks were just used: move them to the recent end of their tier's order."""
-        entries = self._entries
+        self._apply_touches()
+        recency = self._recency
         for block_id in block_ids:
-            tier = entries[block_id].tier
+            tier = self._entry(block_id).tier  # (an unknown id is a bug: KeyError naming it)
             if tier != DROPPED:
-                self._recency[tier].move_to_end(block_id)
+                recency[tier].move_to_end(block_id)
         self.order_version += 1
 
+    def touch_later(self, owner: int, block_ids) -> None:
+        """`touch(block_ids)` for a step of chat `owner`, applied lazily: before the next order is
+        read or changed, each chat's last touch in the order they came (the same orders as eager
+        touches; a chat's earlier touches are covered by its last one). O(1): a decode step of a
+        chat of many blocks costs nothing here. `block_ids` must not be mutated afterwards."""
+        touches = self._touches
+        touches[owner] = block_ids
+        touches.move_to_end(owner)
+        self.order_version += 1
+
+    def _apply_touches(self) -> None:
+        if self._touches:
+            touches, self._touches = self._touches, OrderedDict()
+            for block_ids in touches.values():
+                self._touch_now(block_ids)
+
+    def _touch_now(self, block_ids) -> None:
+        """A step's touch applied late: its blocks removed since are skipped."""
+        entries, recency = self._entries, self._recency
+        for block_id in block_ids:
+            entry = entries.get(int(block_id))
+            if entry is not None and entry.tier != DROPPED:
+                recency[entry.tier].move_to_end(int(block_id))
+
+    def _moved(self, block_id: int) -> None:
+        self.placement_version += 1
+        self._moves.append((self.placement_version, block_id))
+
+    def moved_since(self, version: int, block_ids) -> bool:
+        """Whether any of `block_ids` (a set) changed place (or left) after `placement_version` was
+        `version`; True when that is too long ago to tell. O(changes since)."""
+        if self.placement_version == version:
+            return False
+        moves = self._moves
+        if not moves or moves[0][0] > version + 1:
+            return True
+        for changed_at, block_id in reversed(moves):
+            if changed_at <= version:
+                return False
+            if block_id in block_ids:
+                return True
+        return False
+
     def move(self, block_id: int, tier: int, slot: int) -> None:
+        self._apply_touches()
         entry = self._entry(block_id)
         if HOT in (entry.tier, tier):
             self._note_hot_change(block_id)
@@ -106,12 +158,13 @@ class BlockIndex:
             self._recency[tier][block_id] = None
             if entry.ref_count == 0:
                 self._unreferenced[tier][block_id] = None
-        self.placement_version += 1
+        self._moved(block_id)
         self.order_version += 1
 
     def move_many(self, block_ids: list[int], src_tier: int, tier: int, slots: list[int]) -> None:
         """`move` for a batch from one tier landing in another (block_ids[i], now in `src_tier`,
         to slots[i]; none corrupt), the versions bumped once."""
+        self._apply_touches()
         entries, clock = self._entries, self.clock
         leave, leave_cached = self._recency[src_tier], self._unreferenced[src_tier]
         arrive, cached = self._recency[tier], self._unreferenced[tier]
@@ -128,6 +181,12 @@ class BlockIndex:
             if len(self._hot_changes) > MAX_HOT_CHANGES_KEPT:
                 self._hot_changes = None
         self.placement_version += 1
+        version, moves = self.placement_version, self._moves
+        if len(block_ids) >= MAX_MOVES_KEPT:
+            moves.clear()  # (moved_since answers "maybe" for any version before this one)
+            moves.append((version, -1))
+        else:
+            moves.extend((version, block_id) for block_id in block_ids)
         self.order_version += 1
 
     def relocate(self, block_id: int, slot: int) -> None:
@@ -135,7 +194,7 @@ class BlockIndex:
         every order stays, only placements change."""
         entry = self._entry(block_id)
         entry.slot = slot
-        self.placement_version += 1
+        self._moved(block_id)
         if entry.tier == HOT:
             self._note_hot_change(block_id)
 
@@ -174,6 +233,7 @@ class BlockIndex:
 
     def recency(self, tier: int):
         """Block ids of `tier`, least recently used first (a live view: do not mutate while iterating)."""
+        self._apply_touches()
         return self._recency[tier].keys()
 
     def unreferenced(self, tier: int):
@@ -181,6 +241,7 @@ class BlockIndex:
         return self._unreferenced[tier].keys()
 
     def blocks_in(self, tier: int) -> list[int]:
+        self._apply_touches()
         return list(self._recency[tier])
 
     def count_in(self, tier: int) -> int:

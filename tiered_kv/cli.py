@@ -128,7 +128,7 @@ def _add_diagnose_command(commands) -> None:
                          "and flag what to change in the config",
         description="Run one deterministic prompt through a CacheBank with tiered_kv.hooks and report the bytes "
                     "taken by the weights, the forward's activations, the KV cache per tier (used, reserved, the "
-                    "waste of a partly filled block), staging and stream buffers, and the link; measured from the "
+                    "waste of a partly filled block), staging and gather buffers, and the link; measured from the "
                     "tensors, the files and the process (CUDA allocator statistics on a GPU), not estimated. "
                     "Flags name the config key to change and which way.")
     diagnose.add_argument("--config", default=None, metavar="YAML",

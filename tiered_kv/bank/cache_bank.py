@@ -30,13 +30,11 @@ from ..adapters import runtime_model
 from ..blocks import TIER_NAMES, layout_from_model_config, model_layer_groups, tier_counts
 from ..config import Config, load_config
 from ..errors import BankClosedError, LayoutError
-from ..hooks.attention import LAYER_KEY, expect_handle, paged_kernels
-from ..hooks.install import MODE_OF_IMPLEMENTATION
-from ..hooks.reads import LayerReads, StepReads, StreamBuffers
 from ..identity import ModelFingerprint
 from ..store import TierStore
 from . import forward_watch
 from .chat_ops import ChatOps
+from .plan import HOOKS_MODES, KINDS, GatherBuffer
 from .rows import Row
 from .step import DeferredInputs, RowInputs, Step
 from .stepping import Stepping
@@ -124,15 +122,17 @@ class CacheBank(Stepping, ChatOps, Cache):
         self._pending_inputs: list[RowInputs] | DeferredInputs | None = None
         self._step_owner = next(_STEP_OWNER_IDS)
         self._block_set: set[int] = set()  # every block any row references (pinned during a step)
-        self._forward_lease = None  # a committed step's lease, ended when its forward pass ends
+        self._pending_mask = None  # the attention mask the forward pre-hook saw (paged steps' start offsets)
         self._left_window: list[int] = []  # blocks sliding rows left, freed once that lease ends
         self._closed = False
         # told of every committed step: step_committed(bank, num_new_tokens, num_tokens, step_s)
         # (tiered_kv/trace's TraceRecorder); None: nobody listens
         self.step_observer = None
-        self._stream_buffers: StreamBuffers | None = None  # created by the first hooked step
-        self._hook_counts = dict.fromkeys(("layers_view", "layers_gathered", "layers_streamed", "layers_merged",
-                                           "layers_paged", "lower_runs_in_place"), 0)
+        self._plan = None  # the open step's StepPlan (plan.py), prepared before layer 0
+        self._gather_buffer = GatherBuffer()  # where gathered reads land, reused by every step
+        self._plan_counts = dict.fromkeys(KINDS, 0)  # steps by how their layers read (stats()["steps_by_read"])
+        self._last_lease = None  # the last committed step's lease, which a decode step may extend
+        self._unsettled_inputs: list = []  # committed steps whose token ids are still on their way (GPU)
         if is_model:  # bind now, so attach() finds stored blocks before the first forward pass
             self._bind_store(getattr(model, "dtype", None) or next(model.parameters()).dtype)
 
@@ -143,49 +143,24 @@ class CacheBank(Stepping, ChatOps, Cache):
 
     # ---- transformers Cache contract -------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self._check_open()
+        """Store the layer's new K/V and return its whole K/V (a prepared step: plan.py)."""
         if layer_idx == 0:
-            self._begin_step(key_states)
-        elif self._step is None:
-            raise RuntimeError(f"CacheBank.update: layer {layer_idx} came without layer 0 of the same forward pass "
-                               "(the step was rolled back); call the model again")
-        step = self._step
-        lease = step.lease
-        kv_new = torch.stack((key_states, value_states))  # [2, B, H, t, D]
-        groups = self.layer_groups
-        if not groups.is_single_full:
-            return self._update_grouped(step, kv_new, layer_idx)
-        seam = kwargs.get("kwargs")  # the dict the model passes on to its attention function
-        if isinstance(seam, dict):
-            if layer_idx == 0:
-                self._start_hooked_reads(step)
-            if step.reads is not None:  # tiered_kv.hooks: attention reads the blocks in place
-                with self._rolled_back_on_error():
-                    for r in range(kv_new.shape[1]):
-                        lease.write_layer(layer_idx, r, kv_new[:, r])
-                handle = LayerReads(step.reads, self, layer_idx, key_states, value_states)
-                seam[LAYER_KEY] = handle
-                expect_handle(layer_idx, handle)  # attention without it would see only the new tokens
-                return key_states, value_states  # committed once the last layer's attention is done
-        with self._rolled_back_on_error():
-            rows = []
-            for r in range(kv_new.shape[1]):
-                lease.write_layer(layer_idx, r, kv_new[:, r])
-                rows.append(lease.read_layer(layer_idx, r))
-        kv = rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, dim=1)
-        if layer_idx == self.num_layers - 1:
-            if not step.forward_seen:
-                # nothing will tell us when this layer's attention is done reading: no views of
-                # blocks that other threads may move once the step is committed and unpinned
-                kv = kv.clone()
-            self._commit_step()
-        return kv[0], kv[1]
+            self._check_open()
+            plan = self._layer0(key_states)
+        else:
+            plan = self._plan
+            if plan is None:
+                raise RuntimeError(f"CacheBank.update: layer {layer_idx} came without layer 0 of the same forward pass "
+                                   "(the step was rolled back); call the model again")
+        if plan.is_grouped:
+            return self._update_grouped(self._step, torch.stack((key_states, value_states)), layer_idx)
+        return plan.layer(layer_idx, key_states, value_states, kwargs.get("kwargs"))
 
     def _update_grouped(self, step: Step, kv_new: torch.Tensor, layer_idx: int):
         """update() for a model of several layer groups or of sliding layers: the layer's rows in
-        its group, read back as DynamicLayer / DynamicSlidingWindowLayer return them. Attention
-        (transformers' own, or the hooks' functions, which find no handle) gets these K/V and
-        transformers' masks (sliding ones sized by get_mask_sizes)."""
+        its group, read back as DynamicLayer / DynamicSlidingWindowLayer return them, through the
+        lease's token runs. Attention gets these K/V and transformers' masks (sliding ones sized
+        by get_mask_sizes)."""
         groups, lease = self.layer_groups, step.lease
         g, local = groups.group_of_layer[layer_idx], groups.local_of_layer[layer_idx]
         group, num_groups = groups.groups[g], self._num_groups
@@ -207,8 +182,8 @@ class CacheBank(Stepping, ChatOps, Cache):
         kv = rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, dim=1)
         if layer_idx == self.num_layers - 1:
             if not step.forward_seen:
-                kv = kv.clone()  # (see update())
-            self._commit_step()
+                kv = kv.clone()  # (committed now: nobody says when attention is done with its views)
+            self._layers_done()
         return kv[0], kv[1]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -310,6 +285,7 @@ class CacheBank(Stepping, ChatOps, Cache):
 
     def _structure_changed(self) -> None:
         self._block_set = {b for row in self._rows for b in row.table}
+        self._last_lease = None  # the rows changed: the next step opens a lease of its own
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -328,11 +304,13 @@ class CacheBank(Stepping, ChatOps, Cache):
         other._rows = [row.copy() for row in self._rows]
         other._pending_inputs = None
         other._step_owner = next(_STEP_OWNER_IDS)
-        other._forward_lease = None
+        other._pending_mask = None
         other._left_window = []
-        other._stream_buffers = None
+        other._plan = other._last_lease = None
+        other._gather_buffer = GatherBuffer()
+        other._unsettled_inputs = []
         other.step_observer = None  # an observer follows the bank it was given, not its copies
-        other._hook_counts = dict.fromkeys(self._hook_counts, 0)
+        other._plan_counts = dict.fromkeys(KINDS, 0)
         other._structure_changed()
         self.store.retain([b for row in other._rows for b in row.table])
         if other._owns_store:
@@ -348,7 +326,7 @@ class CacheBank(Stepping, ChatOps, Cache):
             self.truncate(0)
             self.store.forget_chat(self._step_owner)
         self._closed = True
-        self._stream_buffers = None
+        self._gather_buffer = GatherBuffer()
         if self._owns_store:
             self.store.drop_owner()
 
@@ -389,10 +367,9 @@ class CacheBank(Stepping, ChatOps, Cache):
         out["critical_path"] = {"move_s": cp["demote_s"] + cp["promote_s"], **cp}
         out["cost_sensitivity"] = self.cost_sensitivity
         out["kv_bytes"] = self._kv_bytes()
-        # hooked steps: the two reused stream buffers, all the device memory beyond the hot budget
-        buffers = self._stream_buffers
-        out["hooks"] = {"mode": self.hooks_mode, "stream_buffers": 2,
-                        "stream_buffers_bytes": buffers.num_bytes if buffers is not None else 0, **self._hook_counts}
+        # steps by how their layers read (plan.py); the gather buffer: the device memory beyond the tiers
+        out["hooks"] = {"mode": self.hooks_mode, "gather_buffer_bytes": self._gather_buffer.num_bytes,
+                        "steps_by_read": dict(self._plan_counts)}
         return out
 
     def _kv_bytes(self) -> dict:
@@ -418,22 +395,4 @@ class CacheBank(Stepping, ChatOps, Cache):
         model = self._model_ref() if self._model_ref is not None else None
         if model is None:
             return None
-        return MODE_OF_IMPLEMENTATION.get(getattr(model.config, "_attn_implementation", None))
-
-    def _start_hooked_reads(self, step: Step) -> None:
-        """At layer 0 of a step whose forward the hooks see: attention will read in place."""
-        mode = self.hooks_mode
-        if mode is None or not step.forward_seen or not self.layer_groups.is_single_full:
-            return  # (several layer groups: update() returns each layer's K/V, attention reads those)
-        if self._stream_buffers is None:
-            self._stream_buffers = StreamBuffers(self.store.device, self.store.dtype)
-        store = self.store
-        with self._rolled_back_on_error():
-            step.reads = StepReads(step.lease, mode, self._stream_buffers, self._hook_counts, self.num_layers,
-                                   lambda: store.stream_worker, store.layout, paged_kernels())
-
-    def _layer_attended(self, layer_idx: int) -> None:
-        """A hooked layer's attention finished; after the last one the step commits."""
-        if layer_idx == self.num_layers - 1 and self._step is not None and self._step.reads is not None:
-            self._step.reads.finish()
-            self._commit_step()
+        return HOOKS_MODES.get(getattr(model.config, "_attn_implementation", None))

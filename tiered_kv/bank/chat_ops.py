@@ -239,9 +239,8 @@ class ChatOps:
 
     def _promote_rows(self, rows: list[Row], turn_start: bool = False) -> None:
         """Move these blocks up the tiers now, then check whatever stays cold against its
-        checksums rather than mid-forward (with hooks, each cold slice is checked as it is read,
-        a layer ahead, off the critical path). At a turn's start, first count where they were
-        (the store's per-tier hit rates)."""
+        checksums rather than mid-forward. At a turn's start, first count where they were (the
+        store's per-tier hit rates)."""
         order = self._promotion_order(rows)
         if not order:
             return
@@ -253,8 +252,7 @@ class ChatOps:
             return
         before = self._thread_move_seconds()
         store.promote(order, owner=self._step_owner)
-        if not self._reads_in_place:
-            store.verify(order)
+        store.verify(order)
         self._add_critical_path(before)
 
     def _thread_move_seconds(self) -> dict:

@@ -49,6 +49,10 @@ class DeferredInputs:
     def __len__(self) -> int:
         return self.shape[0]
 
+    def ready(self) -> bool:
+        """Whether the copy landed (reading the rows then waits for nothing)."""
+        return self._rows is not None or self._event.query()
+
     def __getitem__(self, row: int) -> RowInputs:
         if self._rows is None:
             if not self._event.query():
@@ -63,10 +67,13 @@ class Step:
     num_tokens: int  # the bank's length once committed
     created_rows: bool  # the bank had no rows before this step
     inputs: list[RowInputs] | DeferredInputs
+    num_rows: int = 1  # batch rows (sequences) of the forward
     forward_seen: bool = False  # the bank's forward hooks saw this pass: they will report its end
     thread_id: int = field(default_factory=threading.get_ident)
     lease: object = None  # the store's StepLease (store/leases.py) once opened
-    reads: object = None  # StepReads (hooks/reads.py) when tiered_kv.hooks serve this step's attention
+    layer0_seen: bool = False  # layer 0 of the forward ran (a prepared step is used once)
+    layers_done: bool = False  # every layer wrote and read its K/V: the step commits at the forward's end
+    expects_paged: bool = False  # attention (hooks merge mode) runs the paged kernel over the plan
     started_s: float = 0.0  # time.perf_counter() when layer 0 began the step
     computing_s: float = 0.0  # time.perf_counter() once its lease was open (its moves done): compute from here
 

@@ -16,10 +16,19 @@ import torch
 
 from ..blocks import KVLayout
 from ..errors import CapacityError, CorruptBlockError, LayoutError
-from ..hooks.attention import clear_expected
 from ..store import PIN_WAIT_S, StepRequest
+from .plan import StepPlan, clear_expected, expect_paged, paged_kernels, prepare
 from .rows import Row
 from .step import DeferredInputs, RowInputs, Step
+
+def _mask_starts(attention_mask, num_tokens: int):
+    """Per row, where its attention mask's ones begin among the step's `num_tokens` keys (left
+    padding), as the paged kernel takes it: an int32 tensor on the mask's device, no host sync.
+    None without a 2D mask (every row starts at 0)."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    return (attention_mask[:, -num_tokens:] != 0).int().argmax(dim=1).to(torch.int32)
+
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 
@@ -36,12 +45,12 @@ class Stepping:
                 or input_ids.dim() != 2:
             return  # another model computes through this bank: its ids prove nothing about our KV
         ok = self._rows_ok(input_ids, attention_mask, position_ids)
-        if ok is None:
-            return  # the mask or the positions cover fewer rows: the ids prove nothing
-        if input_ids.is_cuda:  # no host sync before the forward: the ids are read at commit
-            self._pending_inputs = DeferredInputs.copy(input_ids, ok)
-            return
-        self._pending_inputs = [RowInputs(ids, v) for ids, v in zip(input_ids.tolist(), ok.tolist())]
+        if ok is not None:  # (else the mask or the positions cover fewer rows: the ids prove nothing)
+            if input_ids.is_cuda:  # no host sync: the ids are read once the step is long done
+                self._pending_inputs = DeferredInputs.copy(input_ids, ok)
+            else:
+                self._pending_inputs = [RowInputs(ids, v) for ids, v in zip(input_ids.tolist(), ok.tolist())]
+        self._pending_mask = attention_mask  # (where each row's mask begins: the paged kernel's start offsets)
 
     def _rows_ok(self, input_ids, attention_mask, position_ids):
         """Per row, whether the mask and the positions say these ids continue the bank's tokens:
@@ -70,19 +79,16 @@ class Stepping:
         return ok if length == num_rows else None
 
     def _note_forward_end(self, failed: bool) -> None:
-        self._pending_inputs = None
-        if failed and self._step is not None:
-            self._rollback_step()
-        self._end_forward_lease()
-
-    def _end_forward_lease(self) -> None:
-        """End a committed step's lease once its forward pass is over. The last layer's K/V may
-        be views of hot blocks that its attention reads after update() returned, so a step seen
-        by the forward hooks keeps its pins until the model's forward ends."""
-        if self._forward_lease is not None:
-            lease, self._forward_lease = self._forward_lease, None
-            lease.commit()
-        self._release_left_window()
+        """The watched model's forward ended (also when it raised): its step commits once every
+        layer is done and nothing after them failed, else it is rolled back (DESIGN.md invariant 3:
+        a failure in the last layer's attention, or in the head, changes nothing either)."""
+        self._pending_inputs = self._pending_mask = None
+        step = self._step
+        if step is not None and step.forward_seen:
+            if failed or not step.layers_done:
+                self._rollback_step()
+            else:
+                self._commit_step()
 
     def _release_left_window(self) -> None:
         """Free, for good, the blocks sliding-window rows left at committed steps (once the step
@@ -100,11 +106,27 @@ class Stepping:
         return pending
 
     # ---- one forward pass ------------------------------------------------------------------
-    def _begin_step(self, key_states: torch.Tensor) -> None:
+    def _layer0(self, key_states: torch.Tensor) -> StepPlan:
+        """Layer 0 of a forward pass, before it writes or reads anything: the step is opened and
+        its plan prepared for every row (its lease, the new tokens' slots, the index tensors)."""
+        step = self._step
+        num_rows, _, num_new, _ = key_states.shape
+        if step is None or step.layer0_seen or step.num_rows != num_rows or step.num_new_tokens != num_new:
+            self._begin_step(num_rows, num_new, self._pending_mask)
+            step = self._step
+        step.layer0_seen = True
+        store = self.store
+        if store.layout is None or key_states.dtype != store.dtype or key_states.device != store.device or \
+                key_states.shape[1] != store.layout.num_kv_heads or key_states.shape[3] != store.layout.head_dim:
+            with self._rolled_back_on_error():
+                self._bind(key_states)
+        if self._plan is None:  # (a config-only bank's first step: opened once bound)
+            self._open(step, None)
+        return self._plan
+
+    def _begin_step(self, num_rows: int, num_new: int, attention_mask=None) -> None:
         started_s = time.perf_counter()  # the step's duration (step observers), a turn's start (TTFT)
         self._abandon_step()  # a previous forward that never reached its last layer
-        num_rows, _, num_new, _ = key_states.shape
-        self._bind(key_states)
         if self._rows and num_rows != self.batch_size:
             raise LayoutError(
                 f"CacheBank holds {self.batch_size} sequences but the model passed a batch of {num_rows}; "
@@ -115,15 +137,39 @@ class Stepping:
             self.store.metrics.turns.inc()
         self._check_fits(num_rows, num_tokens, self._seq_len)
         inputs = self._take_inputs(num_rows, num_new)
-        step = Step(num_new, num_tokens, created_rows=not self._rows, inputs=inputs,
+        step = Step(num_new, num_tokens, created_rows=not self._rows, inputs=inputs, num_rows=num_rows,
                     forward_seen=isinstance(inputs, DeferredInputs) or inputs[0].token_ids is not None,
                     started_s=started_s)
         if step.created_rows:
             self._rows = [Row() for _ in range(num_rows * self._num_groups)]
         self._step = step
+        if self.store.is_bound:  # (else a config-only bank's first step: bound at layer 0, from the K/V's dtype)
+            self._open(step, attention_mask)
+
+    def _open(self, step: Step, attention_mask) -> None:
+        """The step's lease and plan (the step is rolled back if either fails)."""
         with self._rolled_back_on_error():
-            step.lease = self._open_lease(self._step_request(step))
+            step.lease = self._open_lease(step)
+            self._plan = self._make_plan(step, attention_mask)
         step.computing_s = time.perf_counter()
+
+    def _make_plan(self, step: Step, attention_mask) -> StepPlan:
+        """The step's plan (plan.py): how each layer writes and reads, from where its blocks lie."""
+        plan = StepPlan(step.lease, self.num_layers, self._layers_done, self._rolled_back_on_error)
+        plan.clone_last = not step.forward_seen  # nobody tells us when the last layer's views are read
+        plan.is_grouped = not self.layer_groups.is_single_full
+        if not plan.is_grouped:
+            store = self.store
+            mode = self.hooks_mode if step.forward_seen else None
+            kernels = paged_kernels() if mode == "merge" else None
+            prepare(plan, store.device_slab, self._gather_buffer, store.dtype,
+                    allow_views=store.device.type != "cuda" or mode == "merge", paged_kernels=kernels,
+                    mask_starts=_mask_starts(attention_mask, step.num_tokens) if kernels is not None else None)
+            if plan.read_kind == "paged":
+                expect_paged(plan)  # attention without the plan would see only the new tokens: it raises
+                step.expects_paged = True
+        self._plan_counts[plan.read_kind] += 1
+        return plan
 
     def _step_request(self, step: Step) -> StepRequest:
         new_turn = step.num_new_tokens > 1
@@ -132,7 +178,7 @@ class Stepping:
         request = StepRequest(
             self._step_owner, tables, self._block_set, self._seq_len, step.num_new_tokens, new_turn=new_turn,
             promotion_order=self._promotion_order(self._rows) if new_turn and has_history else [],
-            verify_cold=new_turn and not self._reads_in_place,  # hooked steps check each cold slice as they read it
+            verify_cold=new_turn,  # cold history is checked before the step, not found bad mid-forward
             count_turn_start=new_turn and has_history and not self._turn_counted,
             cost_sensitivity=self.cost_sensitivity,
             first_blocks=[row.first_block for row in self._rows] if self.layer_groups.any_sliding else None,
@@ -140,10 +186,19 @@ class Stepping:
         self._turn_counted = False
         return request
 
-    def _open_lease(self, request: StepRequest):
-        """The store's lease for this step; waits (without any lock) while the room it needs is
-        held by other chats' running steps, up to PIN_WAIT_S."""
-        store = self.store
+    def _open_lease(self, step: Step):
+        """The store's lease for this step: for a decode step whose tokens land in the tail
+        blocks it holds, the last step's extended (O(1): store/opening.py open_decode) when none
+        of its blocks moved since; else a new one. Waits (without any lock) while the room it
+        needs is held by other chats' running steps, up to PIN_WAIT_S."""
+        store, previous = self.store, self._last_lease
+        if previous is not None and step.num_new_tokens == 1 and self._room_in_tails():
+            lease = store.opening.open_decode(previous, self._block_set, step.num_new_tokens, self.cost_sensitivity,
+                                              [row.table[-1] for row in self._rows])
+            if lease is not None:
+                self._turn_counted = False
+                return lease
+        request = self._step_request(step)
         before = self._thread_move_seconds()
         deadline = time.monotonic() + PIN_WAIT_S
         try:
@@ -185,52 +240,77 @@ class Stepping:
             gaps.append(kept_from if kept_from > row.end_block else None)
         return gaps
 
-    @property
-    def _reads_in_place(self) -> bool:
-        """Whether hooked attention reads this bank's blocks itself (StepReads: one full group)."""
-        return self.hooks_mode is not None and self.layer_groups.is_single_full
+    def _room_in_tails(self) -> bool:
+        """Whether one more token of every row lands in the row's last block (no block to add)."""
+        return bool(self._rows) and self._seq_len % self.config.block_size != 0
+
+    def _layers_done(self) -> None:
+        """Every layer of the step wrote and read its K/V (a paged step: its last attention ran).
+        A step the forward hooks see commits at the forward's end; any other commits now."""
+        step = self._step
+        if step.forward_seen:
+            step.layers_done = True
+        else:
+            self._commit_step()
 
     def _commit_step(self) -> None:
         step, store = self._step, self.store
         lease = step.lease
-        replaced, published, left_window = [], [], []
-        num_groups, block_size = self._num_groups, self.config.block_size
+        replaced, left_window = [], []
+        block_size, num_tokens_before = self.config.block_size, self._seq_len
         for s, (row, group) in enumerate(self._rows_and_groups()):
             leased = lease.rows[s]
             if leased.tail_copy is not None:
                 old_tail, row.table[-1] = leased.tail_copy
                 replaced.append(old_tail)
             if leased.skipped_new_tokens:  # gapped (see _gaps): what it held is out of the window
-                left_window += row.restart_at((self._seq_len + leased.skipped_new_tokens) // block_size)
-            row.table.extend(leased.new_blocks)
-            inputs = step.inputs[s // num_groups]
-            if inputs.token_ids is not None and len(row.token_ids) == self._seq_len:
-                row.token_ids.extend(inputs.token_ids)
-                if inputs.verified and row.num_verified_tokens == self._seq_len:
-                    row.num_verified_tokens = step.num_tokens
+                left_window += row.restart_at((num_tokens_before + leased.skipped_new_tokens) // block_size)
+            if leased.new_blocks:
+                row.table.extend(leased.new_blocks)
             if group.is_sliding:  # what the window left is never read again: not published, freed
                 left_window += row.drop_before(group.first_needed_block(step.num_tokens, block_size))
-            published += self._publishable(row, s % num_groups)
-        if published:
-            store.publish_many(published)
         self._seq_len = step.num_tokens
+        self._step = self._plan = None
+        if step.expects_paged:
+            clear_expected()
+        self._unsettled_inputs.append((step.inputs, num_tokens_before, step.num_tokens))
+        self._settle_inputs(wait=False)
         self._count_step(step)
-        self._step = None
         if replaced or left_window:
             self._block_set = {b for row in self._rows for b in row.table}
         else:
             self._block_set.update(lease.allocated_block_ids)
+        # the next decode step extends this lease while its tokens land in these blocks (opening.open_decode)
+        self._last_lease = lease if self.layer_groups.is_single_full and not replaced else None
         self._left_window += left_window
-        if step.forward_seen:
-            self._forward_lease = lease  # the last layer's K/V may be read after update(): ended at forward end
-        else:
-            lease.commit()
-            self._release_left_window()
+        lease.commit()  # (a forward's attention has read its views by now: a step of it commits at its end)
+        self._release_left_window()
         if replaced:
             store.release(replaced)
         observer = self.step_observer
         if observer is not None:  # e.g. a TraceRecorder (tiered_kv/trace); None costs one check
             observer.step_committed(self, step.num_new_tokens, step.num_tokens, time.perf_counter() - step.started_s)
+
+    def _settle_inputs(self, wait: bool = True) -> None:
+        """Record the token ids of committed steps, oldest first, and publish the blocks they made
+        full and verified. On a GPU a step's ids reach the host after it was queued, with no host
+        sync: they are recorded once their copy is done (`wait`: now, for whatever reads ids next)."""
+        pending = self._unsettled_inputs
+        published, num_groups = [], self._num_groups
+        while pending:
+            inputs, before, after = pending[0]
+            if not wait and isinstance(inputs, DeferredInputs) and not inputs.ready():
+                break
+            pending.pop(0)
+            for s, (row, group) in enumerate(self._rows_and_groups()):
+                given = inputs[s // num_groups]
+                if given.token_ids is not None and len(row.token_ids) == before:
+                    row.token_ids.extend(given.token_ids)
+                    if given.verified and row.num_verified_tokens == before:
+                        row.num_verified_tokens = after
+                published += self._publishable(row, s % num_groups)
+        if published:
+            self.store.publish_many(published)
 
     def _count_step(self, step: Step) -> None:
         """Tokens computed by kind; the turn's time to first token at the end of its first forward;
@@ -269,11 +349,11 @@ class Stepping:
         """Undo an open step: its lease is aborted (allocations released, moves undone, pins
         dropped); the bank is as before."""
         step, self._step = self._step, None
+        self._plan = None
         if step is None:
             return
-        clear_expected()
-        if step.reads is not None:
-            step.reads.finish()  # no fetch may still read blocks about to be released
+        if step.expects_paged:
+            clear_expected()
         if step.created_rows:
             self._rows = []
         self._structure_changed()
@@ -281,11 +361,12 @@ class Stepping:
             step.lease.abort()
 
     def _abandon_step(self) -> None:
-        """Before any new step or public operation: roll back a step that never finished, and
-        end the lease of a forward whose end the hooks did not see (e.g. KeyboardInterrupt)."""
+        """Before any new step or public operation: roll back a step that never finished (its
+        forward's end was not seen: e.g. KeyboardInterrupt), and record the ids still on their way."""
         if self._step is not None:
             self._rollback_step()
-        self._end_forward_lease()
+        if self._unsettled_inputs:
+            self._settle_inputs()
 
     def _corrupt_error(self, error: CorruptBlockError) -> CorruptBlockError:
         first_bad = self._drop_from_first_corrupt()

@@ -1,15 +1,14 @@
-"""Paged-attention hooks: attention reads a CacheBank's blocks in place.
+"""Attention hooks: a CacheBank under a model's attention.
 
     tiered_kv.hooks.install(model, bank)                 # exact (bitwise equal to sdpa)
-    tiered_kv.hooks.install(model, bank, mode="merge")   # per-tier partials merged by LSE
+    tiered_kv.hooks.install(model, bank, mode="merge")   # CUDA: the paged decode kernel over hot + warm
     tiered_kv.hooks.uninstall(model)
 
-install.py registers the attention functions and checks the model; attention.py holds them;
-reads.py plans what each layer reads (view, gather, stream, paged kernel) through the step's
-lease; stream_worker.py fetches layers ahead.
+install.py registers the attention functions and checks the model; attention.py holds them. What
+each layer reads is prepared by the bank before layer 0 (tiered_kv/bank/plan.py).
 """
 
-from .attention import LAYER_KEY
+from ..bank.plan import PAGED_KEY
 from .install import MODES, check_servable, install, installed_mode, uninstall
 
-__all__ = ["install", "uninstall", "installed_mode", "check_servable", "MODES", "LAYER_KEY"]
+__all__ = ["install", "uninstall", "installed_mode", "check_servable", "MODES", "PAGED_KEY"]

@@ -5,8 +5,8 @@ registered with `AttentionInterface` under a name, the sdpa mask function regist
 same name with `AttentionMaskInterface` (without it the causal and padding masks are silently
 None), then `model.set_attn_implementation(name)`. Llama-style attention calls
 `cache.update(k, v, layer_idx, kwargs=kwargs)` and then the attention function with the same
-`kwargs` dict, so the bank leaves a `LayerReads` handle in that dict and the attention
-function reads the layer's K/V in place (attention.py).
+`kwargs` dict, so a paged step's bank leaves its plan in that dict for the attention function
+(attention.py).
 
 Only what can be served is patched: every attention module needs a `layer_idx`, and a layer
 kind the bank cannot serve (recurrent / linear-attention state, shared-KV layers) is refused
@@ -31,11 +31,12 @@ from ..adapters import runtime_model
 from ..blocks import model_layer_groups
 from ..errors import LayoutError
 from ..logs import log_once
-from .attention import exact_attention, fast_attention, merge_attention
+from ..bank.plan import HOOKS_MODES
+from .attention import exact_attention, merge_attention
 
-MODES = {"exact": ("tiered_kv_exact", exact_attention), "fast": ("tiered_kv_fast", fast_attention),
-         "merge": ("tiered_kv_merge", merge_attention)}
-MODE_OF_IMPLEMENTATION = {name: mode for mode, (name, _) in MODES.items()}  # what CacheBank.hooks_mode reads
+_FUNCTIONS = {"exact": exact_attention, "merge": merge_attention}
+MODES = {mode: (name, _FUNCTIONS[mode]) for name, mode in HOOKS_MODES.items()}
+RENAMED_MODES = {"fast": "merge"}  # a mode of earlier releases: what serves it now
 _STATE_ATTR = "_tiered_kv_hooks"
 log = logging.getLogger(__name__)
 
@@ -55,20 +56,22 @@ class HookState:
 
 
 def install(model, bank, mode: str = "exact") -> None:
-    """Serve `model`'s attention from `bank`'s blocks in place.
+    """Serve `model`'s attention from `bank`'s blocks.
 
-    mode="exact" (default): attention is transformers' own sdpa over the layer's K/V, read as a
-    zero-copy view when the row's blocks are consecutive hot slots and gathered into a buffer
-    the bank reuses otherwise; logits are bitwise equal to sdpa over a DynamicCache (on CUDA a
-    view is made contiguous first, so SDPA sees K and V as DynamicCache hands them).
-    mode="fast": exact's path without that copy on CUDA (the view goes to SDPA as it is: one
-    copy of the history less per layer; on CUDA the logits may differ in the last bits).
-    mode="merge": one partial attention per tier part (hot view, lower-tier buffer), merged by
-    their log-sum-exp; equal to ~1e-6 relative, not bitwise (see README, "Hooks").
+    mode="exact" (default): transformers' sdpa over the K/V the bank hands back (views of the
+    blocks in place, or one gather per layer; on CUDA laid out as DynamicCache hands them):
+    logits bitwise equal to sdpa over a DynamicCache. The same as no hooks.
+    mode="merge": on CUDA, contiguous history goes to SDPA as a strided view (no copy), and a
+    decode step whose blocks lie in hot and page-locked warm runs the native paged decode kernel
+    over them where they lie; equal to exact within ~1e-6 relative, not bitwise (README,
+    "Hooks"). On CPU it is exact. ("fast", a mode of earlier releases, is merge now.)
     """
+    if mode in RENAMED_MODES:
+        log_once(log, logging.INFO, "tiered_kv.hooks: mode %r is %r now", mode, RENAMED_MODES[mode])
+        mode = RENAMED_MODES[mode]
     if mode not in MODES:
         raise ValueError(f"tiered_kv.hooks.install(mode={mode!r}): allowed: {sorted(MODES)}")
-    if not hasattr(bank, "_start_hooked_reads"):
+    if not hasattr(bank, "hooks_mode") or not hasattr(bank, "_make_plan"):
         raise TypeError(f"tiered_kv.hooks.install: `bank` must be a tiered_kv.CacheBank; got {type(bank).__name__}")
     model = runtime_model(model)  # a PeftModel: the inner model's attention runs
     if bank._model_ref is None or bank._model_ref() is not model:

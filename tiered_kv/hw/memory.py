@@ -68,10 +68,10 @@ def device_available_bytes(device: torch.device) -> tuple[int | None, str]:
     return None, f"no free-memory query for device type {device.type!r}"
 
 
-def allocate_slab(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                  pin_memory: bool = False) -> torch.Tensor:
-    """A zero-filled slab of `shape`, or ConfigError naming `key` (e.g. 'hot.capacity'), the bytes
-    asked and the bytes available. Pinned slabs live in host RAM and are checked against it."""
+def check_fits(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+               pin_memory: bool = False) -> None:
+    """ConfigError naming `key` (e.g. 'hot.capacity'), the bytes asked and the bytes available
+    when a slab of `shape` does not fit where it would live. Pinned slabs live in host RAM."""
     device = torch.device(device)
     slab_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     memory_name = "host RAM" if device.type == "cpu" or pin_memory else str(device)
@@ -83,6 +83,15 @@ def allocate_slab(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: 
                 f"{available_bytes} bytes available ({source}); allowed: a capacity of at most the available "
                 f"memory, less what the rest of the process needs"
             )
+
+
+def allocate_slab(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                  pin_memory: bool = False) -> torch.Tensor:
+    """A zero-filled slab of `shape`, or ConfigError naming `key` (see check_fits)."""
+    device = torch.device(device)
+    check_fits(key, shape, dtype, device, pin_memory)
+    slab_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    memory_name = "host RAM" if device.type == "cpu" or pin_memory else str(device)
     try:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
     except (RuntimeError, MemoryError) as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError

@@ -21,7 +21,8 @@ from ..tiers import ColdTier, HotTier
 from ..tiers.compressed import CompressedColdTier
 from ..tiers.cold_files import ColdDirectory, open_cold_directory
 from ..tiers.cold_peers import PeerFiles
-from ..tiers.warm import warm_tier
+from ..tiers.paged import paged_slabs
+from ..tiers.warm import is_paged_warm, warm_tier
 from .copies import Staging
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,13 @@ def build_tiers(config, layout: KVLayout, dtype: torch.dtype, device, pinned: bo
     (or may not write there) runs without a cold tier, reading the other stores' records there."""
     capacities = capacities_of(config, layout, cold_directory is not None and may_write_cold)
     _, warm_layout, cold_layout = stored_layouts(config, layout)
-    made.append(HotTier(layout, capacities[HOT], device, dtype))
-    made.append(warm_tier(warm_layout, capacities[WARM], dtype, pinned, config.warm.layout, device))
+    hot_shared = warm_shared = None
+    if torch.device(device).type == "cpu" and not pinned and is_paged_warm(warm_layout, config.warm.layout, device):
+        # one token axis over hot's slots then warm's: a step reads both with one gather per layer
+        hot_shared, warm_shared = paged_slabs([("hot.capacity", capacities[HOT]), ("warm.capacity", capacities[WARM])],
+                                              layout, dtype, device)
+    made.append(HotTier(layout, capacities[HOT], device, dtype, shared=hot_shared))
+    made.append(warm_tier(warm_layout, capacities[WARM], dtype, pinned, config.warm.layout, device, warm_shared))
     cold, unavailable = None, None
     if capacities[COLD] > 0:
         try:

@@ -59,33 +59,58 @@ class StepRequest:
 
 @dataclass
 class LeaseRow:
-    """One row (sequence) of a leased step: its block table as it is once the step commits."""
+    """One row (sequence) of a leased step: its block table as it is once the step commits.
+
+    Token positions below count from the table's first block. The token runs a staged layer
+    reads and writes through (token_map.py) are mapped on first use only: a prepared step
+    (bank/plan.py) addresses the blocks with index tensors instead and never needs them."""
 
     table: list[int]
     new_blocks: list[int]
     tail_copy: tuple[int, int] | None  # (old tail, its private copy) when the tail was copied on write
     tiers: np.ndarray  # tier of each block of `table`
     slots: np.ndarray
-    write_runs: list[TierRun]  # the new tokens
-    read_runs: list[TierRun]  # every token the row holds
-    num_tokens: int  # tokens read_layer returns: the row's from first_token on (before the gap, if any)
+    write_start: int  # the new tokens stored: [write_start, write_end)
+    write_end: int
+    num_tokens: int  # tokens read_layer returns: [0, num_tokens) (before the gap, if any)
     skipped_new_tokens: int = 0  # leading new tokens not stored (they fall in the gap; write_layer skips them)
+    _runs: tuple | None = None  # (write runs, read runs) once mapped
+
+    def runs(self, mapper) -> tuple[list[TierRun], list[TierRun]]:
+        if self._runs is None:
+            write = mapper.map_range(self.tiers, self.slots, self.write_start, self.write_end) \
+                if self.write_end > self.write_start else []
+            read = mapper.map_range(self.tiers, self.slots, 0, self.num_tokens) if self.num_tokens > 0 else []
+            self._runs = (write, read)
+        return self._runs
+
+    def extended(self, num_new_tokens: int) -> "LeaseRow":
+        """This row one decode step later: the same blocks, `num_new_tokens` more in the tail."""
+        return LeaseRow(self.table, [], None, self.tiers, self.slots, self.num_tokens,
+                        self.num_tokens + num_new_tokens, self.num_tokens + num_new_tokens)
 
 
 class StepLease:
-    def __init__(self, host, request: StepRequest, rows: list[LeaseRow], moves: list, reads_host_tiers: bool,
-                 placement_version: int):
-        self._host = host  # the TierStore: mapper, tiers, mark_corrupt, end_lease
-        self.owner = request.owner
-        self.num_tokens = request.num_tokens
-        self.num_new_tokens = request.num_new_tokens
+    def __init__(self, host, owner: int, num_tokens: int, num_new_tokens: int, rows: list[LeaseRow], moves: list,
+                 reads_host_tiers: bool, placement_version: int, block_ids: np.ndarray):
+        self._host = host  # the store's Opening: mapper, tiers, mark_corrupt, end_lease
+        self.owner = owner
+        self.num_tokens = num_tokens
+        self.num_new_tokens = num_new_tokens
         self.rows = rows
         self.moves = moves  # the moves opening made (undone by abort)
         self.reads_host_tiers = reads_host_tiers
-        self.placement_version = placement_version
+        self.placement_version = placement_version  # the index's when the rows were placed
+        self.block_ids = block_ids  # every block the step reads or writes, once (not mutated: logs keep it)
         self.thread_id = threading.get_ident()
         self.ended = False
         self._corrupt: CorruptBlockError | None = None  # once a read found a bad block, every read fails
+
+    def extended(self, num_new_tokens: int) -> "StepLease":
+        """The lease of the chat's next decode step over the same blocks (opening.open_decode)."""
+        return StepLease(self._host, self.owner, self.num_tokens + num_new_tokens, num_new_tokens,
+                         [row.extended(num_new_tokens) for row in self.rows], [], self.reads_host_tiers,
+                         self.placement_version, self.block_ids)
 
     @property
     def allocated_block_ids(self) -> list[int]:
@@ -103,7 +128,8 @@ class StepLease:
         lease_row = self.rows[row]
         if lease_row.skipped_new_tokens:
             kv = kv[:, :, lease_row.skipped_new_tokens:]
-        self._host.mapper.write_layer(layer, lease_row.write_runs, kv)
+        mapper = self._host.mapper
+        mapper.write_layer(layer, lease_row.runs(mapper)[0], kv)
 
     def read_layer(self, layer: int, row: int) -> torch.Tensor:
         """`[2, H, n, D]` of one layer and row on the compute device, n the tokens the row holds
@@ -111,35 +137,8 @@ class StepLease:
         old tokens only, without the new ones); a view of the hot slab when the row's blocks are
         consecutive hot slots."""
         with self._marking_corrupt():
-            lease_row = self.rows[row]
-            return self._host.mapper.read_layer(layer, lease_row.read_runs, lease_row.num_tokens)
-
-    def read_views(self, layer: int, runs: list[TierRun]) -> list[torch.Tensor]:
-        """`[2, H, n, D]` views of runs that read in place (see reads_in_place), one per run."""
-        return self._host.mapper.read_views(layer, runs)
-
-    def read_into(self, layer: int, items: list) -> None:
-        """For each `(run, out, positions)`: one layer's K/V of the run's tokens into `out`
-        (`[2, H, n, D]`, a buffer's slice), at `positions` on the token axis or in order."""
-        with self._marking_corrupt():
-            for run, out, positions in items:
-                self._host.mapper.read_into(layer, run, out, positions)
-
-    def segments(self, row: int, start_token: int, end_token: int) -> list[tuple[TierRun, int, int]]:
-        """Tokens [start_token, end_token) of a row as `(run, first position, count)` segments of
-        consecutive blocks in one tier (TokenMapper.map_segments)."""
-        lease_row = self.rows[row]
-        return self._host.mapper.map_segments(lease_row.tiers, lease_row.slots, start_token, end_token)
-
-    def run_of(self, tier: int, token_slots, offsets) -> TierRun:
-        """The run of these tokens of one tier (slot and offset of each, in the order wanted)."""
-        return TierRun(tier, self._host.tiers[tier].token_index(token_slots, offsets), None)
-
-    def reads_in_place(self, tier: int) -> bool:
-        """Whether a slice run of `tier` reads as a view on the compute device: a paged slab
-        there (hot; warm on a CPU store)."""
-        slab_device = getattr(self._host.tiers[tier], "device", None)
-        return slab_device is not None and torch.device(slab_device) == torch.device(self.device)
+            lease_row, mapper = self.rows[row], self._host.mapper
+            return mapper.read_layer(layer, lease_row.runs(mapper)[1], lease_row.num_tokens)
 
     def kernel_views(self, layer: int) -> list:
         """Per tier that a kernel can read in place (hot, then warm when it can), `(K, V)` as
@@ -186,8 +185,9 @@ class StepLease:
         return None
 
 
-def reads_host(rows: list[LeaseRow]) -> bool:
-    return any(run.tier != HOT for row in rows for run in row.read_runs)
+def reads_host(rows: list[LeaseRow], block_size: int) -> bool:
+    """Whether the step reads any block outside hot (on a GPU: host memory, behind a fence)."""
+    return any(bool((row.tiers[:-(-row.num_tokens // block_size)] != HOT).any()) for row in rows if row.num_tokens)
 
 
 __all__ = ["StepRequest", "StepLease", "LeaseRow", "reads_host"]

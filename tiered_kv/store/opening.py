@@ -23,23 +23,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..blocks import COLD, HOT, TIER_NAMES, tier_counts
-from ..errors import CorruptBlockError
+from ..blocks import HOT, TIER_NAMES, tier_counts
 from ..metrics.registry import BACKGROUND, ON_DEMAND
-from ..scheduler import Plan
 from .allocation import Retry
 from .copies import BACKUP
-from .demand import DemandResult
 from .leases import LeaseRow, StepLease, StepRequest, reads_host
 from .reporting import count_turn_start
+from .step_build import StepBuild
 
 @dataclass
 class OwnerCache:
-    """Per chat (step owner), what lets a decode step skip O(blocks) work when nothing moved."""
+    """Per chat (step owner), what lets a step skip O(blocks) work when nothing moved."""
 
     placement_version: int = -1
     tables: list | None = None  # [(table, tiers, slots)] per row, valid at placement_version
-    touched_order_version: int = -1
 
 
 class Opening:
@@ -56,7 +53,7 @@ class Opening:
             state.drain()
             if self._in_demand_flight(request.block_set):
                 return None
-            build = _Build(self, request)
+            build = StepBuild(self, request)
             build.shared_tails = self._shared_tails(request)
             if request.count_turn_start and request.promotion_order:  # where the history was when the turn began
                 count_turn_start(store.metrics, state.placements(request.promotion_order)[0])
@@ -102,9 +99,8 @@ class Opening:
             if self.store.mover is not None:
                 self.store.mover.num_cancelled += 1
 
-    def _finish(self, build: "_Build") -> StepLease:
+    def _finish(self, build: "StepBuild") -> StepLease:
         store, state, request = self.store, self.store.state, build.request
-        index, mapper = state.index, store.mapper
         cache = self.owners.setdefault(request.owner, OwnerCache())
         block_size = store.config.block_size
         rows, tables = [], []
@@ -119,41 +115,74 @@ class Opening:
             gap_at = request.new_first_block(r)
             if gap_at is None:
                 rows.append(LeaseRow(table, build.new_blocks[r], build.tail_copies.get(r), tiers, slots,
-                                     mapper.map_range(tiers, slots, request.num_tokens_before - first,
-                                                      request.num_tokens - first),
-                                     mapper.map_range(tiers, slots, 0, request.num_tokens - first),
+                                     request.num_tokens_before - first, request.num_tokens - first,
                                      request.num_tokens - first))
                 continue
             # gapped: the old blocks are read (tokens before the step), the new ones written from gap_at on
             num_old, new_from = len(committed), gap_at * block_size
-            old_tokens = request.num_tokens_before - first
-            rows.append(LeaseRow(table, build.new_blocks[r], None, tiers, slots,
-                                 mapper.map_range(tiers[num_old:], slots[num_old:], 0, request.num_tokens - new_from),
-                                 mapper.map_range(tiers, slots, 0, old_tokens) if old_tokens > 0 else [],
-                                 old_tokens, new_from - request.num_tokens_before))
-        cache.placement_version = index.placement_version
+            rows.append(LeaseRow(table, build.new_blocks[r], None, tiers, slots, num_old * block_size,
+                                 num_old * block_size + request.num_tokens - new_from,
+                                 max(0, request.num_tokens_before - first), new_from - request.num_tokens_before))
         cache.tables = [(row.table, row.tiers, row.slots) for row in rows]
-        allocated = build.allocated
-        if index.order_version != cache.touched_order_version:  # else the chat's blocks are the newest already
-            index.touch(itertools.chain(request.block_set, allocated))
-        cache.touched_order_version = index.order_version
-        store.access_log.record_step(request.owner, itertools.chain(request.block_set, allocated), tables,
-                                     request.cost_sensitivity, new_turn=request.new_turn)
-        index.clock = store.access_log.now
-        store.compaction.note_step(request.owner, cache.tables)
+        cache.placement_version = state.index.placement_version
+        block_ids = np.fromiter(dict.fromkeys(itertools.chain(request.block_set, build.allocated)), dtype=np.int64)
         counts = tier_counts([(row.tiers, None) for row in rows])
-        for tier, count in counts.items():
-            store.metrics.hits.inc((TIER_NAMES[tier],), count)
-        if store.mover is not None:
-            # a step that reads history outside hot, or pushed blocks down to make room: ALI may
-            # want blocks up again (read lately, now below hot)
-            moved_down = any(m.dst_tier > m.src_tier for m in build.result.committed)
-            store.mover.step_started(request.owner, read_lower_tiers=moved_down or any(t != HOT for t in counts))
-        state.pin_more(request.owner, allocated)
+        moved_down = any(m.dst_tier > m.src_tier for m in build.result.committed)
+        lease = StepLease(self, request.owner, request.num_tokens, request.num_new_tokens, rows, build.result.committed,
+                          reads_host(rows, block_size), state.index.placement_version, block_ids)
+        lease.tables, lease.tier_counts = tables, counts
+        # a step that reads history outside hot, or pushed blocks down to make room: ALI may want
+        # blocks up again (read lately, now below hot)
+        self._record_step(lease, request.cost_sensitivity, request.new_turn,
+                          read_lower_tiers=moved_down or any(t != HOT for t in counts))
+        state.pin_more(request.owner, build.allocated)
         build.handed_over = True
-        lease = StepLease(self, request, rows, build.result.committed, reads_host(rows), index.placement_version)
-        state.leases[request.owner] = lease
         return lease
+
+    def open_decode(self, previous: StepLease, block_set: set[int], num_new_tokens: int, cost_sensitivity: float,
+                    tails: list[int]) -> StepLease | None:
+        """The lease of the next decode step of the chat that held `previous`, when its new tokens
+        land in its rows' `tails` (blocks it holds alone, never published) and none of its blocks
+        moved since: O(rows), plus the moves anyone made since (usually none), instead of
+        open_step's O(blocks). None: take open_step."""
+        store, state = self.store, self.store.state
+        index, owner = state.index, previous.owner
+        with store.lock:
+            store.check_open()
+            state.drain()
+            if state.in_flight and self._in_demand_flight(block_set):
+                return None
+            for tail in tails:  # (shared since, by a copy of the bank: copied on write by open_step)
+                entry = index.peek(tail)
+                if entry is None or entry.ref_count != 1 or entry.key is not None:
+                    return None
+            if index.placement_version != previous.placement_version and \
+                    index.moved_since(previous.placement_version, block_set):
+                return None
+            if state.in_flight:
+                self._cancel_background(block_set)
+            state.pin(owner, block_set)
+            lease = previous.extended(num_new_tokens)
+            lease.placement_version = index.placement_version
+            lease.tables, lease.tier_counts = previous.tables, previous.tier_counts
+            self._record_step(lease, cost_sensitivity, False, read_lower_tiers=any(t != HOT for t in lease.tier_counts))
+        return lease
+
+    def _record_step(self, lease: StepLease, cost_sensitivity: float, new_turn: bool, read_lower_tiers: bool) -> None:
+        """What every step tells the store's bookkeeping, O(1) for a repeated decode step (the
+        lease's block ids array is the same object; the recency touch is applied lazily)."""
+        store, owner = self.store, lease.owner
+        index = store.state.index
+        index.touch_later(owner, lease.block_ids)
+        store.access_log.record_step(owner, lease.block_ids, lease.tables, cost_sensitivity, new_turn=new_turn)
+        index.clock = store.access_log.now
+        store.compaction.note_step(owner, [(row.table, row.tiers, row.slots) for row in lease.rows])
+        hits = store.metrics.hits
+        for tier, count in lease.tier_counts.items():
+            hits.inc((TIER_NAMES[tier],), count)
+        if store.mover is not None:
+            store.mover.step_started(owner, read_lower_tiers=read_lower_tiers)
+        store.state.leases[owner] = lease
 
     def _placements(self, cache: OwnerCache, row: int, table: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Tiers and slots of `table`; when nothing moved since the chat's last step, only its new
@@ -225,96 +254,6 @@ class Opening:
                 block_id = state.block_at(tier, slot)
             if block_id is not None and block_id in state.index:
                 state.mark_corrupt(block_id)
-
-
-class _Build:
-    """The state of one open_step call across its rounds."""
-
-    def __init__(self, opening: Opening, request: StepRequest):
-        self.opening, self.store, self.request = opening, opening.store, request
-        self.tail_copies: dict[int, tuple[int, int]] = {}  # row -> (old tail, its copy)
-        self.new_blocks: list[list[int]] = [[] for _ in request.tables]
-        self.allocated: list[int] = []
-        self.result = DemandResult()
-        self.handed_over = False
-        self.shared_tails: list[int] = []  # rows whose tail is copied on write (found under the lock)
-
-    def copy_tails(self) -> None:
-        """Copy-on-write of the shared tails (a copy that raises is tried again: its batch changed
-        nothing)."""
-        rows, store = self.shared_tails, self.store
-        if not rows:
-            return
-        tails = [self.request.tables[r][-1] for r in rows]
-        for attempt in range(3):
-            try:
-                copies = store.allocation.copy_pinned(self.request.owner, tails, self.result)
-            except CorruptBlockError:
-                raise
-            except Exception:  # noqa: BLE001 - counted and logged by the transfers; tried again
-                if attempt == 2:
-                    raise
-                continue
-            self.allocated += copies
-            for r, tail, copy in zip(rows, tails, copies):
-                self.tail_copies[r] = (tail, copy)
-            return  # (the copies join the chat's rows at its step: compaction.note_step)
-
-    def allocate_new_blocks(self) -> None:
-        request, store = self.request, self.store
-        block_size = store.config.block_size
-        needed = [-(-request.num_tokens // block_size) - (request.first_token(r, block_size) // block_size + len(table)
-                                                           if request.new_first_block(r) is None
-                                                           else request.new_first_block(r))
-                  for r, table in enumerate(request.tables)]
-        total = sum(needed)
-        if not total:
-            return
-        previous = [self.tail_copies[r][1] if r in self.tail_copies
-                    else (table[-1] if table and request.new_first_block(r) is None else None)
-                    for r, table in enumerate(request.tables)]
-        protect = frozenset(self.allocated)
-        new_ids = store.allocation.allocate_pinned(request.owner, total, protect, list(zip(needed, previous)),
-                                                   self.result)
-        self.allocated += new_ids
-        for r, count in enumerate(needed):
-            self.new_blocks[r] = new_ids[:count]
-            del new_ids[:count]
-
-    def promote_history(self) -> None:
-        request, store = self.request, self.store
-        order = request.promotion_order
-        if not order:
-            return
-        state = store.state
-        with store.lock:
-            tiers, _ = state.placements(order)
-            if (tiers == HOT).all():
-                return
-        new = frozenset(self.allocated)
-        movable = state.movable_by(request.owner, new)  # this step's own new blocks stay where they are
-
-        def make_plan(result: DemandResult) -> Plan | None:
-            wanted = [b for b in order if b not in result.failed_blocks and b in state.index]
-            return store.scheduler.plan_promotion(wanted, state.index, state.free_slots(), state.capacities, movable)
-
-        store.demand.carry_out(make_plan, movable, self.result)
-        if request.verify_cold:
-            with store.lock:
-                cold = [b for b in order if b in state.index and state.index.get(b).tier == COLD]
-            store.placement.verify(cold)
-
-    def give_back(self) -> None:
-        """The step does not happen: release what was allocated, unpin (moves made stay made)."""
-        if self.handed_over:
-            return
-        store = self.store
-        with store.lock:
-            if not store.is_closed:
-                store.state.release(self.allocated)
-            store.state.unpin(self.request.owner)
-            store.state.changes.bump()
-        self.allocated = []
 
 
 __all__ = ["Opening", "OwnerCache"]

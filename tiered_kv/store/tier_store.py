@@ -52,6 +52,7 @@ from .building import STAGING_BYTES
 from .allocation import PIN_WAIT_S, Allocation
 from .compaction import HotCompaction
 from .demand import DemandMoves
+from .device_slab import DeviceSlab
 from .durable_copies import DurableCopies
 from .leases import StepLease, StepRequest
 from .lock import StoreLock
@@ -108,8 +109,8 @@ class TierStore:
         self.transfers: Transfers | None = None
         self.demand: DemandMoves | None = None
         self.mapper: TokenMapper | None = None
+        self.device_slab: DeviceSlab | None = None  # what a prepared step addresses (device_slab.py), once bound
         self.mover: Mover | None = None
-        self._stream_worker = None  # started by the first hooked step that streams (tiered_kv.hooks)
         self._closing = False  # close() began: no new lease, no background move
         self._closed = False
         self._close_lock = threading.Lock()
@@ -211,6 +212,7 @@ class TierStore:
                                    staging, self.rates)
         self.demand = DemandMoves(self.lock, self.state, self.transfers)
         self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.metrics)
+        self.device_slab = DeviceSlab(tiers, self.device, layout.block_size)
         self.layout, self.dtype = layout, dtype
         self.watermarks = building.watermarks_of(self.config, self.capacities)
 
@@ -364,22 +366,9 @@ class TierStore:
         if last:
             self.close()
 
-    @property
-    def stream_worker(self):
-        """The thread (and CUDA side stream) that fetches hooked steps' layers ahead (tiered_kv.hooks)."""
-        worker = self._stream_worker
-        if worker is not None:  # (every fetch asks: no lock once it exists; close() joins it last)
-            return worker
-        from ..hooks.stream_worker import StreamWorker
-        with self.lock:
-            self.check_open()
-            if self._stream_worker is None:
-                self._stream_worker = StreamWorker(self.device)
-            return self._stream_worker
-
     def close(self) -> None:
         """Close from any thread, with moves in flight: refuse new leases and background moves, join
-        every thread the store owns (remote writer, mover, stream worker, copy engine, cold writer and
+        every thread the store owns (remote writer, mover, copy engine, cold writer and
         readers, NVML sampler), move published blocks to cold and wait until durable, release the
         tiers. Steps still running on other threads get CLOSE_WAIT_S to end first."""
         if self.lock.held_by_me:
@@ -393,9 +382,7 @@ class TierStore:
                 self.remote.close()  # its writer reads blocks through the transfers: before they stop
             if self.mover is not None:
                 self.mover.stop()
-            self._wait_for_leases(CLOSE_WAIT_S)  # running steps end first: they may still fetch layers
-            if self._stream_worker is not None:
-                self._stream_worker.close()
+            self._wait_for_leases(CLOSE_WAIT_S)  # running steps end first
             if self.is_bound:
                 try:
                     with self.lock:

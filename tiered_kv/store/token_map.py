@@ -1,9 +1,13 @@
-"""Token-to-slot mapping: where a step's tokens live, and one layer's K/V read and written there.
+"""Token-to-slot mapping for staged steps: where a step's tokens live, and one layer's K/V read
+and written there through each tier's own token index.
 
-A step maps its tokens once (when its lease opens) into `TierRun`s, one per tier holding some of
-them; every layer then reads and writes through those runs, without the store lock. The mapping
-stays valid for the whole step because the step's blocks are pinned (no other thread may move
-them until its lease ends), and every move into them completed before the lease was handed out.
+A prepared step (bank/plan.py) addresses blocks on the device slab with index tensors; a step
+whose blocks it cannot address so (some in cold, in compressed or records-layout warm, a sliding
+group's gap, several layer groups) maps its tokens once, on first use, into `TierRun`s, one per
+tier holding some of them; every layer then reads and writes through those runs, without the
+store lock. The mapping stays valid for the whole step because the step's blocks are pinned (no
+other thread may move them until its lease ends), and every move into them completed before the
+lease was handed out.
 """
 
 from __future__ import annotations
@@ -63,28 +67,6 @@ class TokenMapper:
             np.tile(np.arange(bs, dtype=np.int64), num_blocks)[lo:hi],
         )
 
-    def map_segments(self, tiers: np.ndarray, slots: np.ndarray, start_token: int,
-                     end_token: int) -> list[tuple[TierRun, int, int]]:
-        """Tokens [start_token, end_token) as maximal segments of consecutive blocks in one tier:
-        `(run, first position, count)` with positions relative to start_token, so each segment is
-        read straight into one slice of a destination (the hooks' stream buffers)."""
-        bs = self.layout.block_size
-        first, last = start_token // bs, (end_token - 1) // bs
-        block_tiers, block_slots = tiers[first:last + 1], slots[first:last + 1]
-        raise_if_corrupt(block_tiers, np.arange(first, last + 1), "blocks at positions")
-        changes = np.nonzero(np.diff(block_tiers))[0] + 1
-        bounds = [0, *changes.tolist(), len(block_tiers)]
-        segments = []
-        for b0, b1 in zip(bounds[:-1], bounds[1:]):
-            lo = max((first + b0) * bs, start_token)
-            hi = min((first + b1) * bs, end_token)
-            tier = int(block_tiers[b0])
-            token_slots = np.repeat(block_slots[b0:b1], bs)[lo - (first + b0) * bs:hi - (first + b0) * bs]
-            offsets = np.arange(lo, hi, dtype=np.int64) % bs
-            segments.append((TierRun(tier, self.tiers[tier].token_index(token_slots, offsets), None),
-                             lo - start_token, hi - lo))
-        return segments
-
     def group_by_tier(self, token_tiers: np.ndarray, slots: np.ndarray, offsets: np.ndarray) -> list[TierRun]:
         """One TierRun per tier holding some of the tokens (positions None when one tier holds all)."""
         if (token_tiers == token_tiers[0]).all():
@@ -113,30 +95,6 @@ class TokenMapper:
         """One run's `[2, H, n, D]` on the compute device (a view for a hot slice)."""
         data = self._read_tokens(run.tier, layer, run.index)
         return data if run.tier == HOT else data.to(self.device, non_blocking=True)
-
-    def read_views(self, layer: int, runs: list[TierRun]) -> list[torch.Tensor]:
-        """`[2, H, n, D]` views of runs that are slices of paged slabs on the compute device (no
-        bytes move, so no read is timed)."""
-        tiers = self.tiers
-        return [tiers[run.tier].read_tokens(layer, run.index) for run in runs]
-
-    def read_into(self, layer: int, run: TierRun, out: torch.Tensor, positions: torch.Tensor | None) -> None:
-        """Copy one run's `[2, H, n, D]` into `out`: whole (each tier copies straight from its
-        slab or file into it), or at `positions` along the token axis."""
-        if positions is not None:
-            out.index_copy_(2, positions, self._read_tokens(run.tier, layer, run.index).to(self.device,
-                                                                                        non_blocking=True))
-            return
-        start = None
-        if run.tier != HOT:
-            start = self.metrics.read_seconds.start()
-        try:
-            self.tiers[run.tier].read_tokens_into(layer, run.index, out)
-        except CorruptBlockError as error:
-            error.tier = run.tier
-            raise
-        if start is not None:  # a timed read of a lower tier
-            self.metrics.read_seconds.stop((TIER_NAMES[run.tier],), start)
 
     def _read_tokens(self, tier: int, layer: int, index) -> torch.Tensor:
         start = None

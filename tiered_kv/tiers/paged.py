@@ -14,11 +14,34 @@ import numpy as np
 import torch
 
 from ..blocks import KVLayout
-from ..hw.memory import allocate_slab
+from ..hw.memory import allocate_slab, check_fits
 
 
 MAX_SLICE_RUNS = 8  # a token index of up to this many contiguous runs copies run by run
 MIN_TOKENS_PER_SLICE_RUN = 16  # (on average): shorter runs are gathered in one index_select
+
+
+def slab_shape(layout: KVLayout, num_slots: int) -> tuple[int, ...]:
+    """`[L, 2, H, num_slots * block_size, D]`: the paged layout."""
+    return (layout.num_layers, 2, layout.num_kv_heads, num_slots * layout.block_size, layout.head_dim)
+
+
+def paged_slabs(keys_and_slots: list[tuple[str, int]], layout: KVLayout, dtype: torch.dtype,
+                device: torch.device) -> list[tuple[torch.Tensor, int]]:
+    """One paged slab whose token axis holds several tiers' slots one after another (hot's, then
+    warm's), as each tier's `shared` argument. A step then reads blocks of all of them with one
+    gather per layer. Each part is checked against the memory left once the parts before it are
+    counted, so a ConfigError names the key of the tier that does not fit."""
+    total = 0
+    for key, num_slots in keys_and_slots:
+        total += num_slots
+        check_fits(key, slab_shape(layout, total), dtype, device)
+    whole = allocate_slab(keys_and_slots[-1][0], slab_shape(layout, total), dtype, device)
+    shared, first = [], 0
+    for _, num_slots in keys_and_slots:
+        shared.append((whole, first))
+        first += num_slots
+    return shared
 
 
 class SliceRuns(tuple):
@@ -39,15 +62,20 @@ class PagedTier:
     capacity_key = "hot.capacity"  # the config key a slab too large for its memory names
 
     def __init__(self, layout: KVLayout, num_slots: int, device: torch.device, dtype: torch.dtype,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, shared: tuple[torch.Tensor, int] | None = None):
+        """`shared`: (a slab shared with other paged tiers, the first of its slots that is this
+        tier's): one token axis over hot's and warm's slots on a CPU store (`paged_slabs`), so a
+        step gathers from both with one index. None: a slab of its own."""
         self.layout = layout
         self.num_slots = num_slots
         self.device = device
         bs = layout.block_size
-        # checked against the device's free memory first: a ConfigError naming the key, not an OOM
-        self.slab = allocate_slab(
-            self.capacity_key, (layout.num_layers, 2, layout.num_kv_heads, num_slots * bs, layout.head_dim), dtype, device,
-            pin_memory=pin_memory)
+        if shared is None:
+            # checked against the device's free memory first: a ConfigError naming the key, not an OOM
+            whole = allocate_slab(self.capacity_key, slab_shape(layout, num_slots), dtype, device, pin_memory=pin_memory)
+            shared = (whole, 0)
+        self.whole_slab, self.first_slot = shared  # where this tier's slot s is slot first_slot + s of whole_slab
+        self.slab = self.whole_slab[:, :, :, self.first_slot * bs:(self.first_slot + num_slots) * bs]
         self._blocks = self.slab.view(layout.num_layers, 2, layout.num_kv_heads, num_slots, bs, layout.head_dim)
 
     @property
@@ -127,4 +155,4 @@ class PagedTier:
         pass
 
     def close(self) -> None:
-        self.slab = self._blocks = None
+        self.slab = self._blocks = self.whole_slab = None

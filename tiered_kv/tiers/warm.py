@@ -21,9 +21,6 @@ from ..hw.memory import allocate_slab
 from .paged import PagedTier
 
 
-GATHER_WITH_KERNEL_ON_CPU = False  # tests: run the CUDA gather path through the kernels' torch reference
-
-
 class WarmTier:
     name = "warm"
 
@@ -95,9 +92,6 @@ class WarmTier:
     def read_tokens_into(self, layer: int, index, out: torch.Tensor) -> None:
         """Like read_tokens, copied into `out` (`[2, H, n, D]`, a strided view is fine): runs of
         consecutive slots of whole blocks are one strided copy each, with no temporary."""
-        if index[0] == "blocks" and (out.device.type == "cuda" or GATHER_WITH_KERNEL_ON_CPU) \
-                and self._gather_with_kernel(layer, index, out):
-            return
         if index[0] != "blocks" or out.device.type != "cpu":
             out.copy_(self.read_tokens(layer, index), non_blocking=True)
             return
@@ -118,26 +112,6 @@ class WarmTier:
             else:  # a partial first or last block
                 whole = src.reshape(src.shape[0], src.shape[1], length * bs, src.shape[4])
                 dst.copy_(whole[:, :, lo - start * bs:hi - start * bs])
-
-    def _gather_with_kernel(self, layer: int, index, out: torch.Tensor) -> bool:
-        """Whole warm blocks into a device buffer with native/gather_blocks.cu, which reads the
-        page-locked slab through UVA: no host temporary, no synchronous copy, on the caller's
-        stream (the stream worker's side stream). False when it does not apply (partial blocks,
-        an unpinned slab, no native kernels): the caller copies through the host."""
-        from ..kernels import ops  # chosen once at start: cupy + native/ on CUDA, else torch
-        _, block_slots, first, count = index
-        bs = self.layout.block_size
-        num_blocks = len(block_slots)
-        if first != 0 or count != num_blocks * bs:
-            return False
-        if out.device.type == "cuda" and not (self.pinned and ops.backend == "cuda"):
-            return False
-        slots = block_slots.to(device=out.device, dtype=torch.int32, non_blocking=True)
-        for kv in (0, 1):  # [H, n*bs, D] of the buffer as [n, H, bs, D]; the slab's [S, H, bs, D]
-            part = out[kv]
-            dst = part.view(part.shape[0], num_blocks, bs, part.shape[2]).permute(1, 0, 2, 3)
-            ops.gather_blocks(dst, self.slab[:, layer, kv], slots)
-        return True
 
     def write_tokens(self, layer: int, index, kv: torch.Tensor) -> None:
         if index[0] == "blocks":
@@ -161,15 +135,23 @@ class PagedWarmTier(PagedTier):
     name = "warm"
     capacity_key = "warm.capacity"
 
-    def __init__(self, layout: KVLayout, num_slots: int, dtype: torch.dtype, pinned: bool):
-        super().__init__(layout, num_slots, torch.device("cpu"), dtype, pin_memory=pinned)
+    def __init__(self, layout: KVLayout, num_slots: int, dtype: torch.dtype, pinned: bool,
+                 shared: tuple[torch.Tensor, int] | None = None):
+        super().__init__(layout, num_slots, torch.device("cpu"), dtype, pin_memory=pinned, shared=shared)
         self.pinned = pinned
 
 
+def is_paged_warm(layout: KVLayout, layout_name: str, hot_device) -> bool:
+    """Whether config `warm.layout` ("auto": paged when the hot tier is on the CPU) makes warm a
+    paged slab (never a compressed one)."""
+    on_cpu = torch.device(hot_device).type == "cpu"
+    return not layout.is_compressed and (layout_name == "paged" or (layout_name == "auto" and on_cpu))
+
+
 def warm_tier(layout: KVLayout, num_slots: int, dtype: torch.dtype, pinned: bool, layout_name: str,
-              hot_device) -> WarmTier | PagedWarmTier:
-    """The warm tier for config `warm.layout` ("auto": paged when the hot tier is on the CPU) and
-    `layout` (a compressed one: packed records, compressed.py)."""
+              hot_device, shared: tuple[torch.Tensor, int] | None = None) -> WarmTier | PagedWarmTier:
+    """The warm tier for config `warm.layout` and `layout` (a compressed one: packed records,
+    compressed.py); `shared`: a paged warm tier's place in a slab shared with hot (paged_slabs)."""
     if layout.is_compressed:
         from .compressed import CompressedWarmTier
         return CompressedWarmTier(layout, num_slots, dtype, pinned)
@@ -178,5 +160,6 @@ def warm_tier(layout: KVLayout, num_slots: int, dtype: torch.dtype, pinned: bool
         raise ConfigError(f"config key 'warm.layout': got 'paged' with the hot tier on {hot_device}; allowed there: "
                           "'records' or 'auto' (paged serves a CPU store, whose attention reads warm in place; a "
                           "GPU reads warm by DMA and by its kernels, which need records)")
-    paged = layout_name == "paged" or (layout_name == "auto" and on_cpu)
-    return (PagedWarmTier if paged else WarmTier)(layout, num_slots, dtype, pinned)
+    if is_paged_warm(layout, layout_name, hot_device):
+        return PagedWarmTier(layout, num_slots, dtype, pinned, shared)
+    return WarmTier(layout, num_slots, dtype, pinned)

@@ -14,7 +14,7 @@ tokens and `new_tokens` greedy tokens, and reads what it took:
   KV per tier    reserved: the hot and warm slab tensors' bytes, the cold block file's size on
                  disk; used: blocks in use x block bytes (hot slab bytes / hot slots); this
                  prompt's blocks per tier; the empty slots of its partly filled last block
-  buffers        the store's staging tensors and the bank's stream buffers, their own bytes
+  buffers        the store's staging tensors and the bank's gather buffer, their own bytes
   link           the link monitor's saturation, sampled after every forward and at the end
 
 Flags (diagnose_flags.py) are found from those figures; the report's JSON and text are
@@ -186,7 +186,7 @@ def _measure(model, bank: CacheBank, ids: list[int], new_tokens: int, device_all
         process=process,
         kv=kv,
         buffers=BufferFigures(buffers["staging_host"], buffers["staging_device"], buffers["mover_staging_host"],
-                              buffers["mover_staging_device"], stats["hooks"]["stream_buffers_bytes"]),
+                              buffers["mover_staging_device"], stats["hooks"]["gather_buffer_bytes"]),
         link=LinkFigures(stats["scheduler"]["link_monitor"], max(sampler.samples + [saturation_end]),
                          saturation_end, dict(stats["bytes_moved"])),
         layout=LayoutFigures(float(stats["fragmentation"]), float(stats["contiguity"])),

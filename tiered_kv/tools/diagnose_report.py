@@ -5,7 +5,7 @@ reads one. Every byte figure is an int of bytes (`*_bytes`); None means "not mea
 (e.g. CUDA allocator figures on a CPU run, RSS where /proc does not give it).
 
 Totals (`Report.totals()`): `device_bytes` is what the measured figures put on the compute
-device (weights, buffers, activations' peak, the hot slab, the stream buffers, device staging);
+device (weights, buffers, activations' peak, the hot slab, the gather buffer, device staging);
 `host_bytes` what they put in host RAM beside it (the warm slab, host staging). On a CPU run both
 are the same RAM, reported apart so the two cases read alike. `kv_share` is the hot slab's share
 of `device_bytes`.
@@ -46,7 +46,7 @@ class RunFigures:
 class ActivationFigures:
     """Memory taken by generate() beyond what it kept: `peak_bytes` = `peak_above_start_bytes`
     (highest allocated during generate() above the level before it) - `retained_bytes` (what was
-    still allocated after it: the stream buffers, the output ids)."""
+    still allocated after it: the gather buffer, the output ids)."""
     method: str
     peak_above_start_bytes: int
     retained_bytes: int
@@ -109,11 +109,11 @@ class BufferFigures:
     staging_device_bytes: int  # the store's device buffer for hot<->warm batches (CUDA only)
     mover_staging_host_bytes: int  # the background mover's host buffer
     mover_staging_device_bytes: int  # the background mover's device buffer (CUDA only)
-    stream_buffers_bytes: int  # the bank's two layer buffers for gathered / streamed history
+    gather_buffer_bytes: int  # the bank's buffer of one layer's gathered history
 
     @property
     def device_bytes(self) -> int:
-        return self.staging_device_bytes + self.mover_staging_device_bytes + self.stream_buffers_bytes
+        return self.staging_device_bytes + self.mover_staging_device_bytes + self.gather_buffer_bytes
 
     @property
     def host_bytes(self) -> int:
@@ -209,7 +209,7 @@ def memory_rows(report: Report) -> list[tuple[str, int | None, str]]:
         ("staging: hot<->warm (device)", b.staging_device_bytes, "tensor bytes (CUDA only)"),
         ("staging: mover (host)", b.mover_staging_host_bytes, "tensor bytes (scheduler.background)"),
         ("staging: mover (device)", b.mover_staging_device_bytes, "tensor bytes (CUDA only)"),
-        ("stream buffers", b.stream_buffers_bytes, "tensor bytes (2 layers of gathered history)"),
+        ("gather buffer", b.gather_buffer_bytes, "tensor bytes (1 layer of gathered history)"),
         ("process RSS: before generate()", p.rss_before_bytes, "VmRSS, process-wide"),
         ("process RSS: peak of generate()", p.rss_peak_bytes, "VmHWM after a reset, process-wide"),
         ("process RSS: after generate()", p.rss_after_bytes, "VmRSS, process-wide"),
