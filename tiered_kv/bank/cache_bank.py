@@ -20,6 +20,7 @@ only for itself; it never publishes, and looks blocks up only when given `model_
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import weakref
 
@@ -33,6 +34,7 @@ from ..errors import BankClosedError, LayoutError
 from ..identity import ModelFingerprint
 from ..store import TierStore
 from . import forward_watch
+from . import compiled
 from .chat_ops import ChatOps
 from .plan import HOOKS_MODES, KINDS, GatherBuffer
 from .rows import Row
@@ -132,6 +134,9 @@ class CacheBank(Stepping, ChatOps, Cache):
         self._gather_buffer = GatherBuffer()  # where gathered reads land, reused by every step
         self._plan_counts = dict.fromkeys(KINDS, 0)  # steps by how their layers read (stats()["steps_by_read"])
         self._last_lease = None  # the last committed step's lease, which a decode step may extend
+        self._forced_eager = False  # compiled.py made the coming forward run eagerly (restored at its end)
+        self._generate_compiles = False  # the generate() running now compiles its decode steps (compiled.py)
+        self._in_forward = False  # between the watched model's forward hooks (eager forwards)
         self._unsettled_inputs: list = []  # committed steps whose token ids are still on their way (GPU)
         if is_model:  # bind now, so attach() finds stored blocks before the first forward pass
             self._bind_store(getattr(model, "dtype", None) or next(model.parameters()).dtype)
@@ -145,8 +150,11 @@ class CacheBank(Stepping, ChatOps, Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store the layer's new K/V and return its whole K/V (a prepared step: plan.py)."""
         if layer_idx == 0:
-            self._check_open()
-            plan = self._layer0(key_states)
+            if torch.compiler.is_compiling():  # a compiled decode step: prepared outside the graph (compiled.py)
+                plan = compiled.check_traced(self)
+            else:
+                self._check_open()
+                plan = self._layer0(key_states)
         else:
             plan = self._plan
             if plan is None:
@@ -188,17 +196,36 @@ class CacheBank(Stepping, ChatOps, Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         self._check_open()
+        if not torch.compiler.is_compiling():  # (a compiled step that ran counts from now on)
+            step = self._step
+            if step is not None and step.compiled and step.layers_done:
+                compiled.settle(self)
         return self._seq_len
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """Where the next forward's queries start: the bank's length, with a compiled step that
+        ran counted (generate() asks this first, then get_mask_sizes, when it builds a mask)."""
+        return self.get_seq_length(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """`(kv_length, kv_offset)` of what `update` returns for this layer, as transformers' own
-        layers give them: a full layer every token; a sliding one its window's last tokens."""
+        layers give them: a full layer every token; a sliding one its window's last tokens.
+        generate() asks before each step, outside the model; before a compiled decode forward the
+        bank prepares the step there (compiled.py)."""
+        self._ready_for(query_length)
         groups = self.layer_groups
         if 0 <= layer_idx < groups.num_layers:
             group = groups.groups[groups.group_of_layer[layer_idx]]
             if group.is_sliding:
                 return group.kept_tokens(self._seq_len) + query_length, max(self._seq_len - group.window + 1, 0)
         return self._seq_len + query_length, 0
+
+    def _ready_for(self, query_length: int) -> None:
+        """Before a decode forward that may be compiled (generate() builds its mask outside the
+        model): settle the step before and prepare this one (compiled.py)."""
+        if query_length == 1 and not torch.compiler.is_compiling() and (self._step is None or self._step.compiled) \
+                and not self._closed and compiled.expected(self):
+            compiled.prepare_decode(self, query_length)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -213,7 +240,10 @@ class CacheBank(Stepping, ChatOps, Cache):
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        """Whether generate() may compile decode steps with this bank (bank/compiled.py)."""
+        if torch.compiler.is_compiling():  # (asked again inside the graph, by the mask functions)
+            return True
+        return compiled.answer_is_compileable(self, sys._getframe(1))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop `-tokens_to_remove` tokens from the end (transformers' convention: a negative count)."""
@@ -307,6 +337,7 @@ class CacheBank(Stepping, ChatOps, Cache):
         other._pending_mask = None
         other._left_window = []
         other._plan = other._last_lease = None
+        other._forced_eager = other._generate_compiles = other._in_forward = False
         other._gather_buffer = GatherBuffer()
         other._unsettled_inputs = []
         other.step_observer = None  # an observer follows the bank it was given, not its copies
@@ -355,7 +386,9 @@ class CacheBank(Stepping, ChatOps, Cache):
         and length. A step this thread opened and never finished (a config-only bank has no
         hook to see its forward fail) is rolled back first, so the figures are committed ones."""
         self._check_open()
-        if self._step is not None and self._step.thread_id == threading.get_ident():
+        if self._step is not None and self._step.compiled:
+            compiled.settle(self)
+        elif self._step is not None and self._step.thread_id == threading.get_ident():
             self._rollback_step()
         out = self.store.stats()
         counts = tier_counts([self.store.placements(row.table) for row in self._rows])

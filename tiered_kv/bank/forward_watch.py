@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 from ..identity import refresh_for_forward
+from . import compiled
 
 _INSTALLED_ATTR = "_tiered_kv_forward_watch"
 _INSTALL_LOCK = threading.Lock()
@@ -32,6 +35,9 @@ def _before_forward(module, args, kwargs):
         input_ids = kwargs.get("input_ids")
         if input_ids is None and args:
             input_ids = args[0]
+        if torch.compiler.is_compiling():  # inside a compiled decode forward: tensor ops only (compiled.py)
+            compiled.note_inputs(bank, input_ids, kwargs.get("position_ids"))
+            return None
         refresh_for_forward(bank, module, input_ids)  # the weights (adapters) about to act name its new blocks
         bank._note_forward_inputs(module, input_ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
     return None
@@ -39,7 +45,7 @@ def _before_forward(module, args, kwargs):
 
 def _after_forward(module, args, kwargs, result):
     bank = _cache_in(kwargs)
-    if bank is not None:
+    if bank is not None and not torch.compiler.is_compiling():  # (a compiled step settles at the next eager call)
         bank._note_forward_end(failed=result is None)
     return None
 

@@ -74,6 +74,11 @@ class Step:
     layer0_seen: bool = False  # layer 0 of the forward ran (a prepared step is used once)
     layers_done: bool = False  # every layer wrote and read its K/V: the step commits at the forward's end
     expects_paged: bool = False  # attention (hooks merge mode) runs the paged kernel over the plan
+    read_kind: str = "staged"  # how its layers read (plan.py KINDS)
+    compiled: bool = False  # prepared outside a compiled forward; settled at the bank's next eager call (compiled.py)
+    ids_buffer: object = None  # (compiled) the step's token ids, copied in by the graph
+    ok_buffer: object = None  # (compiled) per row, whether its positions continued the bank's tokens
+    expected_positions: object = None  # (compiled) the positions the step's tokens must have
     started_s: float = 0.0  # time.perf_counter() when layer 0 began the step
     computing_s: float = 0.0  # time.perf_counter() once its lease was open (its moves done): compute from here
 

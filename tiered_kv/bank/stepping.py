@@ -17,17 +17,35 @@ import torch
 from ..blocks import KVLayout
 from ..errors import CapacityError, CorruptBlockError, LayoutError
 from ..store import PIN_WAIT_S, StepRequest
+from . import compiled
 from .plan import StepPlan, clear_expected, expect_paged, paged_kernels, prepare
 from .rows import Row
 from .step import DeferredInputs, RowInputs, Step
 
+def _is_causal_mask(mask: torch.Tensor, num_tokens_before: int) -> torch.Tensor:
+    """Per row of a 4D mask `[B, 1, q, kv]` (bool: True attends; float: 0 attends), whether each
+    query sees exactly the keys up to its own position (no padding): a bool tensor, no host sync."""
+    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+    q, kv = allowed.shape[-2:]
+    positions = torch.arange(kv, device=mask.device)
+    causal = positions[None, :] <= (num_tokens_before + torch.arange(q, device=mask.device))[:, None]
+    return (allowed == causal).flatten(1).all(dim=1)
+
+
 def _mask_starts(attention_mask, num_tokens: int):
     """Per row, where its attention mask's ones begin among the step's `num_tokens` keys (left
     padding), as the paged kernel takes it: an int32 tensor on the mask's device, no host sync.
-    None without a 2D mask (every row starts at 0)."""
-    if attention_mask is None or attention_mask.dim() != 2:
+    None without a 2D or 4D mask (every row starts at 0)."""
+    if isinstance(attention_mask, dict):
+        attention_mask = attention_mask.get("full_attention")
+    if attention_mask is None or attention_mask.dim() not in (2, 4):
         return None
-    return (attention_mask[:, -num_tokens:] != 0).int().argmax(dim=1).to(torch.int32)
+    if attention_mask.dim() == 4:  # [B, 1, q, kv] (generate() builds it): the keys the last query sees
+        last = attention_mask[:, 0, -1, -num_tokens:]
+        allowed = last if last.dtype == torch.bool else last == 0
+    else:
+        allowed = attention_mask[:, -num_tokens:] != 0
+    return allowed.int().argmax(dim=1).to(torch.int32)
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
@@ -41,6 +59,7 @@ class Stepping:
         """Called before each forward of a watched model that uses this bank (forward_watch)."""
         self._pending_inputs = None
         model = self._model_ref() if self._model_ref is not None else None
+        self._in_forward = model is not None and module is model
         if self._closed or model is None or module is not model or not isinstance(input_ids, torch.Tensor) \
                 or input_ids.dim() != 2:
             return  # another model computes through this bank: its ids prove nothing about our KV
@@ -59,13 +78,19 @@ class Stepping:
         mask or positions of another rank or length leave every row unverified."""
         num_rows, num_new = input_ids.shape
         device = input_ids.device
+        if isinstance(attention_mask, dict):  # (generate() built one 4D mask per layer kind)
+            attention_mask = attention_mask.get("full_attention", next(iter(attention_mask.values()), None))
         ok, length = torch.ones(num_rows, dtype=torch.bool, device=device), num_rows
         if attention_mask is not None:
-            if attention_mask.dim() != 2:
-                ok, length = torch.zeros(num_rows, dtype=torch.bool, device=device), num_rows
-            else:
+            if attention_mask.dim() == 2:
                 length = min(length, attention_mask.shape[0])
                 ok = ok[:length] & attention_mask[:length].bool().all(dim=1).to(device)
+            elif attention_mask.dim() == 4 and attention_mask.shape[1] == 1 and attention_mask.shape[2] == num_new \
+                    and attention_mask.shape[3] == self._seq_len + num_new:
+                length = min(length, attention_mask.shape[0])  # (generate() builds it for a compileable cache)
+                ok = ok[:length] & _is_causal_mask(attention_mask[:length], self._seq_len).to(device)
+            else:
+                ok, length = torch.zeros(num_rows, dtype=torch.bool, device=device), num_rows
         if position_ids is not None:
             if position_ids.dim() != 2 or position_ids.shape[-1] != num_new:
                 ok, length = torch.zeros(num_rows, dtype=torch.bool, device=device), num_rows
@@ -83,6 +108,7 @@ class Stepping:
         layer is done and nothing after them failed, else it is rolled back (DESIGN.md invariant 3:
         a failure in the last layer's attention, or in the head, changes nothing either)."""
         self._pending_inputs = self._pending_mask = None
+        self._in_forward = False
         step = self._step
         if step is not None and step.forward_seen:
             if failed or not step.layers_done:
@@ -111,6 +137,15 @@ class Stepping:
         its plan prepared for every row (its lease, the new tokens' slots, the index tensors)."""
         step = self._step
         num_rows, _, num_new, _ = key_states.shape
+        if step is not None and step.compiled and not step.layer0_seen:  # prepared for a graph, run eagerly
+            if step.num_rows == num_rows and step.num_new_tokens == num_new:
+                step.compiled = False
+                step.inputs = self._take_inputs(num_rows, num_new)
+                step.forward_seen = isinstance(step.inputs, DeferredInputs) or step.inputs[0].token_ids is not None
+                self._plan.clone_last = not step.forward_seen
+            else:
+                self._rollback_step()
+            step = self._step
         if step is None or step.layer0_seen or step.num_rows != num_rows or step.num_new_tokens != num_new:
             self._begin_step(num_rows, num_new, self._pending_mask)
             step = self._step
@@ -124,7 +159,7 @@ class Stepping:
             self._open(step, None)
         return self._plan
 
-    def _begin_step(self, num_rows: int, num_new: int, attention_mask=None) -> None:
+    def _begin_step(self, num_rows: int, num_new: int, attention_mask=None, compiled: bool = False) -> None:
         started_s = time.perf_counter()  # the step's duration (step observers), a turn's start (TTFT)
         self._abandon_step()  # a previous forward that never reached its last layer
         if self._rows and num_rows != self.batch_size:
@@ -136,10 +171,10 @@ class Stepping:
             self._turn_started_s = started_s
             self.store.metrics.turns.inc()
         self._check_fits(num_rows, num_tokens, self._seq_len)
-        inputs = self._take_inputs(num_rows, num_new)
+        inputs = self._take_inputs(num_rows, num_new)  # (a compiled step's come from its graph, at settle)
         step = Step(num_new, num_tokens, created_rows=not self._rows, inputs=inputs, num_rows=num_rows,
-                    forward_seen=isinstance(inputs, DeferredInputs) or inputs[0].token_ids is not None,
-                    started_s=started_s)
+                    forward_seen=compiled or isinstance(inputs, DeferredInputs) or inputs[0].token_ids is not None,
+                    compiled=compiled, started_s=started_s)
         if step.created_rows:
             self._rows = [Row() for _ in range(num_rows * self._num_groups)]
         self._step = step
@@ -161,14 +196,15 @@ class Stepping:
         if not plan.is_grouped:
             store = self.store
             mode = self.hooks_mode if step.forward_seen else None
-            kernels = paged_kernels() if mode == "merge" else None
+            kernels = paged_kernels() if mode == "merge" and not step.compiled else None
             prepare(plan, store.device_slab, self._gather_buffer, store.dtype,
                     allow_views=store.device.type != "cuda" or mode == "merge", paged_kernels=kernels,
-                    mask_starts=_mask_starts(attention_mask, step.num_tokens) if kernels is not None else None)
+                    mask_starts=_mask_starts(attention_mask, step.num_tokens) if kernels is not None else None,
+                    traced=step.compiled)
             if plan.read_kind == "paged":
                 expect_paged(plan)  # attention without the plan would see only the new tokens: it raises
                 step.expects_paged = True
-        self._plan_counts[plan.read_kind] += 1
+        step.read_kind = plan.read_kind
         return plan
 
     def _step_request(self, step: Step) -> StepRequest:
@@ -270,6 +306,7 @@ class Stepping:
             if group.is_sliding:  # what the window left is never read again: not published, freed
                 left_window += row.drop_before(group.first_needed_block(step.num_tokens, block_size))
         self._seq_len = step.num_tokens
+        self._plan_counts[step.read_kind] += 1
         self._step = self._plan = None
         if step.expects_paged:
             clear_expected()
@@ -363,8 +400,13 @@ class Stepping:
     def _abandon_step(self) -> None:
         """Before any new step or public operation: roll back a step that never finished (its
         forward's end was not seen: e.g. KeyboardInterrupt), and record the ids still on their way."""
+        if not self._in_forward:  # (torch checks the stance as a forced-eager compiled call returns)
+            compiled.end_forced_eager(self)
         if self._step is not None:
-            self._rollback_step()
+            if self._step.compiled:  # a compiled forward ran it (or not): commit or roll back now
+                compiled.settle(self)
+            else:
+                self._rollback_step()
         if self._unsettled_inputs:
             self._settle_inputs()
 

@@ -30,6 +30,7 @@ class DeviceSlab:
             if getattr(part, "whole_slab", None) is whole and part.num_slots:
                 self.first_slot[tier] = part.first_slot
         num_layers, _, heads, num_tokens, dim = whole.shape
+        self.whole = whole  # [L, 2, H, S, D]: the one tensor a compiled step's graph takes (bank/plan.py)
         self.num_tokens = num_tokens
         self.flat = whole.view(num_layers * 2, heads, num_tokens, dim)  # layer l's K at 2l, V at 2l + 1
         # (views made one by one, not by unbind: a view of a multi-view op may not be written in place)

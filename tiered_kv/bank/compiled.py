@@ -1,0 +1,176 @@
+"""Decoding under torch.compile: each step prepared outside the graph, settled after it.
+
+transformers compiles the model's `__call__` for decode steps when the cache `is_compileable`
+(`generate(..., compile_config=...)`; on a GPU whenever it can). Nothing a graph cannot hold may
+run inside that call: no lock, no store call, no numpy, no Python per block, no graph break. So:
+
+- before the call, generate builds the step's mask outside the graph and asks the bank
+  `get_mask_sizes`; there (eagerly) the bank settles the step before (`settle`) and prepares
+  this one (`prepare_decode`): its lease (O(rows) while its token lands in its tail block:
+  opening.open_decode; a new block every block_size tokens), its plan (plan.py) and device
+  buffers for the step's token ids;
+- inside the graph only tensor ops run: the forward pre-hook copies the step's ids into those
+  buffers (`note_inputs`), each layer writes its K/V and reads the step's blocks (the traced
+  layers of plan.py, over the one slab tensor), and the last layer marks the step done (an
+  attribute that Dynamo sets once the graph ran);
+- after the call, at the bank's next eager call (the next step's mask, or any public method),
+  the step commits, or rolls back when the graph did not finish; its ids are read once their
+  copy landed (no host sync) and its full verified blocks are published.
+
+A step's blocks stay pinned from its preparation until it settles: the last step of a generate()
+holds its chat's blocks until the bank is used next. A graph reads only blocks on the device slab
+(hot, and on a CPU store paged warm); a step whose blocks lie elsewhere (cold, compressed warm, a
+GPU's warm) runs its forward eagerly instead (`torch.compiler.set_stance("force_eager")` for that
+one call, said once), never through a graph break.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..logs import log_once
+from .step import DeferredInputs, RowInputs
+
+log = logging.getLogger(__name__)
+
+
+class CompiledStepError(RuntimeError):
+    """A compiled decode step found no step prepared for it, or blocks it cannot read in a graph."""
+
+
+def can_compile(bank) -> bool:
+    """Whether generate() may compile decode steps with this bank: a bank built from a model (it
+    sees the model's forwards) of one full-attention group (a sliding window's steps change which
+    blocks a layer reads in ways a graph does not follow)."""
+    return bank.layer_groups.is_single_full and bank._model_ref is not None
+
+
+def answer_is_compileable(bank, caller) -> bool:
+    """`cache.is_compileable` as each of transformers' callers (`caller`, the asking frame) means it:
+    - generate's `_valid_auto_compile_criteria`: may this generate compile? Yes when the bank can;
+      the bank notes whether it will (its generation config and device, as that check reads them);
+    - `prepare_inputs_for_generation`, every step: shall generate build the step's mask outside the
+      model? Only in a generate that compiles: that is where the bank prepares each step;
+    - the mask functions inside an eager forward: False, so masks (and so the logits) are those of
+      a DynamicCache, bit for bit; inside a graph `is_compiling()` answers before this is asked;
+    - anyone else (user code): whether the bank can be compiled at all."""
+    if not can_compile(bank):
+        return False
+    name = caller.f_code.co_name
+    if name == "_valid_auto_compile_criteria":
+        bank._generate_compiles = _generate_compiles(caller.f_locals)
+        return True
+    if name == "prepare_inputs_for_generation":
+        return bank._generate_compiles
+    return caller.f_globals.get("__name__") != "transformers.masking_utils"
+
+
+def _generate_compiles(local_vars: dict) -> bool:
+    """Whether the generate() whose `_valid_auto_compile_criteria` asks will compile: its config
+    does not disable it and its device is one transformers compiles on (every device when the
+    compile config says `_compile_all_devices`)."""
+    config, model = local_vars.get("generation_config"), local_vars.get("self")
+    if config is None or model is None or getattr(config, "disable_compile", False):
+        return False
+    compile_config = getattr(config, "compile_config", None)
+    return getattr(getattr(model, "device", None), "type", "cpu") in ("cuda", "xpu", "neuron", "tpu", "mps") or \
+        bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", False))
+
+
+def expected(bank) -> bool:
+    """Whether the model's next decode forward may be compiled (a generate() that compiles runs)."""
+    return bank._generate_compiles and bank.layer_groups.is_single_full
+
+
+def prepare_decode(bank, num_new_tokens: int) -> None:
+    """Outside the graph, before a compiled decode forward: settle the step before, then open this
+    one (lease, plan, id buffers), so the forward only runs tensor ops on it."""
+    step = bank._step
+    if step is not None and step.compiled and not step.layers_done and step.num_new_tokens == num_new_tokens:
+        return  # prepared already (generate asks the query offset, then the mask sizes, for one step)
+    settle(bank)
+    if bank._step is not None or not bank._rows or not bank.store.is_bound:
+        return
+    bank._begin_step(bank.batch_size, num_new_tokens, None, compiled=True)
+    if bank._plan is not None and bank._plan.read_kind not in ("view", "gather") and _fits_device_slab(bank):
+        bank._rollback_step()  # its blocks are where no graph reads them, but would fit where one does
+        bank._promote_rows(bank._rows)
+        bank._begin_step(bank.batch_size, num_new_tokens, None, compiled=True)
+    step = bank._step
+    if step is None or bank._plan is None:
+        return
+    if bank._plan.read_kind not in ("view", "gather"):  # (a graph cannot read it: this forward runs eagerly)
+        log_once(log, logging.WARNING, "tiered_kv: a compiled decode step reads blocks the device does not hold in "
+                 "place (cold, compressed or a GPU's warm): it runs eagerly (raise hot.capacity to keep the chat "
+                 "on the device slab)")
+        bank._forced_eager = True
+        torch.compiler.set_stance("force_eager")
+        return
+    device = bank.store.device
+    step.ids_buffer = torch.zeros((step.num_rows, num_new_tokens), dtype=torch.long, device=device)
+    step.ok_buffer = torch.zeros(step.num_rows, dtype=torch.bool, device=device)
+    step.expected_positions = torch.arange(bank._seq_len, bank._seq_len + num_new_tokens, device=device)
+
+
+def _fits_device_slab(bank) -> bool:
+    """Whether the chat's blocks (and one more per row) fit the tiers the device slab holds."""
+    store = bank.store
+    slab = store.device_slab
+    capacity = sum(n for tier, n in enumerate(store.capacities) if tier < len(slab.first_slot) - 1
+                   and slab.first_slot[tier] >= 0)
+    return sum(len(row.table) + 1 for row in bank._rows) <= capacity
+
+
+def note_inputs(bank, input_ids, position_ids) -> None:
+    """Inside the graph (the forward pre-hook): the step's token ids, and whether their positions
+    continue the bank's tokens, into the step's buffers."""
+    step = bank._step
+    if step is None or not step.compiled or input_ids is None or input_ids.shape != step.ids_buffer.shape:
+        return
+    step.ids_buffer.copy_(input_ids)
+    if position_ids is None:
+        step.ok_buffer.fill_(True)
+    elif position_ids.shape[-1] == step.num_new_tokens:
+        step.ok_buffer.copy_((position_ids == step.expected_positions).all(dim=-1).expand(step.num_rows))
+
+
+def end_forced_eager(bank) -> None:
+    """At the bank's next eager call after a forward prepare_decode made eager (outside any forward:
+    torch checks the stance as the compiled call returns): compiled calls compile again."""
+    if bank._forced_eager:
+        bank._forced_eager = False
+        torch.compiler.set_stance("default")
+
+
+def settle(bank) -> None:
+    """At the bank's next eager call: commit the compiled step that ran (its ids read once their
+    copy landed), or roll back one whose graph did not finish."""
+    end_forced_eager(bank)
+    step = bank._step
+    if step is None or not step.compiled:
+        return
+    if not step.layers_done:
+        bank._rollback_step()
+        return
+    ids, ok = step.ids_buffer, step.ok_buffer
+    if ids.is_cuda:
+        step.inputs = DeferredInputs.copy(ids, ok)
+    else:
+        step.inputs = [RowInputs(row, bool(v)) for row, v in zip(ids.tolist(), ok.tolist())]
+    bank._commit_step()
+
+
+def check_traced(bank):
+    """The plan of the compiled step a traced layer 0 runs (raised in the graph when none)."""
+    plan = bank._plan
+    if plan is None or not bank._step.compiled:
+        raise CompiledStepError("a compiled forward found no decode step prepared for it: the bank prepares one when "
+                                "generate() builds the step's mask (get_mask_sizes); call the compiled model through "
+                                "generate(), or run it eagerly")
+    return plan
+
+
+__all__ = ["can_compile", "answer_is_compileable", "expected", "prepare_decode", "note_inputs", "settle", "end_forced_eager", "check_traced",
+           "CompiledStepError"]
