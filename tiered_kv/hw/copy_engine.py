@@ -27,6 +27,7 @@ device by attention) must not be overwritten before it passed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -95,7 +96,35 @@ class _CudaEvent(CopyEvent):
                 self.error = error
 
 
-class SyncCopyEngine:
+class _HostStreams:
+    """The compute stream of each thread, on CPU: an EmulatedStream given by `use_stream`, else
+    none (compute is synchronous: done when it returned)."""
+
+    def _init_streams(self) -> None:
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def use_stream(self, stream):
+        """Within the block, this thread's compute runs on `stream` (as `torch.cuda.stream(s)`)."""
+        previous = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            yield stream
+        finally:
+            self._local.stream = previous
+
+    def current_stream(self):
+        return getattr(self._local, "stream", None)
+
+    def record_fence(self, stream) -> CopyEvent | None:
+        """A fence after the work queued so far on `stream` (None: nothing can still be queued)."""
+        return None if stream is None else stream.record()
+
+    def compute_fence(self) -> CopyEvent | None:
+        return self.record_fence(self.current_stream())
+
+
+class SyncCopyEngine(_HostStreams):
     """Each unit runs at once, on the thread that submits it (on a CUDA device, on the current
     stream, which is synchronized before submit returns)."""
 
@@ -103,6 +132,7 @@ class SyncCopyEngine:
 
     def __init__(self, device: torch.device | None = None):
         self._cuda = device is not None and torch.device(device).type == "cuda"
+        self._init_streams()
 
     def submit(self, unit: Unit) -> CopyEvent:
         try:
@@ -117,9 +147,6 @@ class SyncCopyEngine:
         if self._cuda:
             torch.cuda.current_stream().synchronize()
 
-    def compute_fence(self) -> CopyEvent | None:
-        return None
-
     def queue_depth(self) -> int:
         """Units submitted and not done yet: none (each ran before submit returned)."""
         return 0
@@ -131,14 +158,15 @@ class SyncCopyEngine:
         pass
 
 
-class ThreadCopyEngine:
+class ThreadCopyEngine(_HostStreams):
     """Units run later, in submission order, on the engine's own thread (see the module docstring)."""
 
     name = "thread"
 
     def __init__(self, delay_us: int = 0):
         self.delay_s = delay_us / 1e6
-        self._queue: deque[tuple[Unit, _ThreadEvent]] = deque()
+        self._init_streams()
+        self._queue: deque[tuple[Unit, _ThreadEvent, CopyEvent | None]] = deque()
         self._condition = threading.Condition()
         self._closed = False
         self._last: CopyEvent = PassedEvent()
@@ -148,11 +176,12 @@ class ThreadCopyEngine:
 
     def submit(self, unit: Unit) -> CopyEvent:
         event = _ThreadEvent()
+        after = self.compute_fence()  # as the CUDA engine's side stream waits for the submitting thread's stream
         with self._condition:
             if self._closed:
                 event.pass_(RuntimeError("the copy engine is closed; the copy did not run"))
                 return event
-            self._queue.append((unit, event))
+            self._queue.append((unit, event, after))
             self._last = event
             self._condition.notify()
         return event
@@ -164,8 +193,10 @@ class ThreadCopyEngine:
                     self._condition.wait()
                 if not self._queue:
                     return
-                unit, event = self._queue.popleft()
+                unit, event, after = self._queue.popleft()
                 self._running = 1
+            if after is not None:
+                after.wait()
             if self.delay_s:
                 time.sleep(self.delay_s)
             error = None
@@ -179,9 +210,6 @@ class ThreadCopyEngine:
 
     def host_wait(self) -> None:
         """Inside a unit (on the engine's thread): its copies so far are done (they ran in line)."""
-
-    def compute_fence(self) -> CopyEvent | None:
-        return None
 
     def queue_depth(self) -> int:
         """Units submitted and not done yet (queued, or running now)."""
@@ -243,10 +271,19 @@ class CudaCopyEngine:
         overwrites host memory they use)."""
         self.side_stream.synchronize()
 
-    def compute_fence(self) -> CopyEvent | None:
+    def use_stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def record_fence(self, stream) -> CopyEvent | None:
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(stream)
         return _CudaEvent(event, None)
+
+    def compute_fence(self) -> CopyEvent | None:
+        return self.record_fence(self.current_stream())
 
     def synchronize(self) -> None:
         self.side_stream.synchronize()
