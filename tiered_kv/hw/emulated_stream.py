@@ -28,6 +28,8 @@ from .copy_engine import CopyEvent, _ThreadEvent
 
 
 class EmulatedStream:
+    """A CPU stand-in for a CUDA stream a forward runs on (see the module docstring)."""
+
     def __init__(self, delay_us: int | None = None, name: str = "stream"):
         self.name = name
         self.delay_s = None if delay_us is None else delay_us / 1e6
@@ -38,7 +40,7 @@ class EmulatedStream:
         self.num_fences = 0  # fences recorded on it so far
         self._thread = None
         if not self._held:
-            self._thread = threading.Thread(target=self._run_timed, name=f"tiered_kv-emulated-{name}", daemon=True)
+            self._thread = threading.Thread(target=self._run_timed, name=f"emulated-stream-{name}", daemon=True)
             self._thread.start()
 
     def __repr__(self) -> str:
@@ -71,8 +73,11 @@ class EmulatedStream:
 
     # ---- held: the test says when compute completes --------------------------------------------------
     def run(self) -> int:
-        """Complete everything queued so far, in order (work runs, fences pass); how many pieces."""
+        """Held: complete everything queued so far, in order (work runs, fences pass); how many
+        pieces. A timed stream completes its work on its own thread: 0."""
         count = 0
+        if self._thread is not None:
+            return count
         while True:
             with self._condition:
                 if not self._queue:
@@ -103,12 +108,10 @@ class EmulatedStream:
                     self._condition.wait()
                 if not self._queue:
                     return
-                due, work, event = self._queue[0]
+                due, work, event = self._queue.popleft()
             wait_s = due - time.monotonic()
             if wait_s > 0:
                 time.sleep(wait_s)
-            with self._condition:
-                self._queue.popleft()
             if work is not None:
                 work()
             if event is not None:
