@@ -103,6 +103,7 @@ class StepLease:
         self.placement_version = placement_version  # the index's when the rows were placed
         self.block_ids = block_ids  # every block the step reads or writes, once (not mutated: logs keep it)
         self.thread_id = threading.get_ident()
+        self.stream = None  # the stream its forward's compute runs on (taken at layer 0: opening.py)
         self.ended = False
         self._corrupt: CorruptBlockError | None = None  # once a read found a bad block, every read fails
 

@@ -182,6 +182,7 @@ class Opening:
             hits.inc((TIER_NAMES[tier],), count)
         if store.mover is not None:
             store.mover.step_started(owner, read_lower_tiers=read_lower_tiers)
+        lease.stream = store.state.step_fences.current_stream()  # this thread's: the forward runs on it
         store.state.leases[owner] = lease
 
     def _placements(self, cache: OwnerCache, row: int, table: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -223,18 +224,16 @@ class Opening:
         return self.store.device
 
     def end_lease(self, lease: StepLease, aborted: bool) -> None:
-        """StepLease.commit / abort (leases.py): unpin; on abort release what the step allocated
-        and undo its moves as far as room allows; on a GPU, a step that read host memory leaves
-        a fence that warm slots wait for before they are reused."""
+        """StepLease.commit / abort (leases.py): a completion fence on the stream the step ran on,
+        that its hot and warm slots wait for before they are reused or copied (fences.py); unpin;
+        on abort release what the step allocated and undo its moves as far as room allows."""
         if lease.ended:
             return
         lease.ended = True
         store, state = self.store, self.store.state
+        fence = state.step_fences.record(lease)  # (an event on the forward's stream: nothing waits)
         with store.lock:
-            if lease.reads_host_tiers:  # before unpinning: the slots it read wait for this fence
-                fence = store.copy_engine.compute_fence()
-                if fence is not None:
-                    state.add_host_fence(fence)
+            state.step_fences.add(lease, fence)  # before unpinning: its slots are in use until it passed
             state.leases.pop(lease.owner, None)
             state.unpin(lease.owner)
             closed = store.is_closed

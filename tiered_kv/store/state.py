@@ -5,8 +5,9 @@ Everything here runs under the store's lock (the caller holds it) and never wait
 keeps (docs/design.md):
 
 - a slot is handed out again only once nothing can still read or write it: a slot freed while a
-  copy may use it waits in the deferred list for that copy's event (and, for warm slots on a GPU,
-  for the compute fence of the last step that read host memory); `drain()` frees what passed;
+  copy may use it waits in the deferred list for that copy's event, and a hot or warm slot an
+  ended step used for the step's completion fence on its stream (fences.py); `drain()` frees
+  what passed;
 - a pinned block (a running step reads or writes it) is never moved or dropped; a block whose
   data fails its checksum while pinned keeps its slot (quarantined) until the step ends, so the
   step reads the bad bytes and fails, never another block's;
@@ -23,12 +24,13 @@ from collections import deque
 import numpy as np
 
 from ..block_index import BlockIndex
-from ..blocks import COLD, TIER_NAMES, WARM
+from ..blocks import COLD, TIER_NAMES
 from ..hw.copy_engine import CopyEvent
 from ..logs import Throttle
 from ..metrics.registry import Metrics
 from ..pool import SlotPool
 from .durable_copies import DurableCopies
+from .fences import StepFences
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class StoreState:
         self.leases: dict[int, object] = {}  # owner -> its StepLease while the step runs (leases.py)
         self.in_flight: dict[int, object] = {}  # block id -> the Transfer copying it (transfers.py)
         self._deferred_frees: list[tuple[int, list[int], tuple[CopyEvent, ...]]] = []  # (tier, slots, fences)
-        self.host_fences: list[CopyEvent] = []  # compute work that may still read warm slots (CUDA)
+        self.step_fences = StepFences()  # ended steps whose compute may still use their slots (fences.py)
         self._quarantined: list[tuple[int, int, int]] = []  # (block, tier, slot) of pinned corrupt blocks
         self._released_later: deque = deque()  # (block ids, step owner) of banks the collector took
         self._drop_warnings = Throttle(log)
@@ -177,17 +179,12 @@ class StoreState:
         if not slots:
             return
         fences = (after,) if after is not None else ()
-        if tier == WARM and self.host_fences:
-            self.host_fences = [f for f in self.host_fences if not f.done()]
-            fences += tuple(self.host_fences)
+        if self.step_fences:
+            fences += self.step_fences.for_slots(tier, slots)
         if all(f.done() for f in fences):
             self._free_now(tier, slots)
         else:
             self._deferred_frees.append((tier, list(slots), fences))
-
-    def add_host_fence(self, fence: CopyEvent) -> None:
-        """Compute queued so far may still read warm slots (a step read host memory on the device)."""
-        self.host_fences = [f for f in self.host_fences if not f.done()] + [fence]
 
     def _free_now(self, tier: int, slots: list[int]) -> None:
         self.pools[tier].free(slots)
@@ -211,6 +208,7 @@ class StoreState:
             lease = self.leases.pop(owner, None)
             if lease is not None:
                 lease.ended = True  # its bank is gone: nobody can end it any more
+                self.step_fences.add(lease, self.step_fences.record(lease))
             self.unpin(owner)
             self.release(block_ids)
             if self.on_collected is not None:

@@ -124,6 +124,7 @@ class TierStore:
         _OPEN_STORES.add(self)
         try:
             self.copy_engine = make_copy_engine(self.device, self.config.copies.engine, self.config.copies.delay_us)
+            self.state.step_fences.engine = self.copy_engine  # fences on the streams steps run on
             if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
                 # fail at start, not at the first spill, when the cold directory is unusable
                 self._cold_directory, self.cold_unavailable = building.open_cold(self.config.cold.path)

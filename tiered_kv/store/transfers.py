@@ -173,13 +173,13 @@ class Transfers:
         batch.started_s = time.perf_counter()
         if not batch.transfers:
             return
-        staging = self.staging[batch.mode]
+        staging, after = self.staging[batch.mode], self.state.step_fences.for_transfers(batch.transfers)
         tiers, transfers = self.state.tiers, list(batch.transfers)
         with staging.lock:  # one batch at a time per staging set; waits for its previous user's copies
             staging.wait_idle()
             try:
                 batch.event = self.engine.submit(lambda: copies.run(tiers, transfers, staging, self.engine,
-                                                                    self.metrics, self.rates))
+                                                                    self.metrics, self.rates), after=after)
             except BaseException as interrupt:  # (an interrupt: the copies issued so far keep their event)
                 batch.event = getattr(interrupt, "copy_event", None)
                 raise
