@@ -26,11 +26,14 @@ one call, said once), never through a graph break.
 
 from __future__ import annotations
 
+import functools
 import logging
 
+import numpy as np
 import torch
 
 from ..logs import log_once
+from ..store.device_slab import is_run
 from .step import DeferredInputs, RowInputs
 
 log = logging.getLogger(__name__)
@@ -172,5 +175,59 @@ def check_traced(bank):
     return plan
 
 
-__all__ = ["can_compile", "answer_is_compileable", "expected", "prepare_decode", "note_inputs", "settle", "end_forced_eager", "check_traced",
+# ---- the layers a compiled step traces: one slab tensor in, no prepared views ------------------------
+def prepare_traced(plan, slab, blocks: list[np.ndarray], num_tokens: int, device, allow_views: bool) -> None:
+    """plan.prepare's `traced`: layers that slice or gather `slab.whole` inside the graph (views
+    made outside it would be inputs aliasing one another, which the compiler copies)."""
+    if plan.write_kind not in ("index", "put"):
+        return  # (its new tokens' block is not on the slab: staged, which no graph can run)
+    plan.whole, plan.block_size, plan.num_rows, plan.num_tokens = slab.whole, slab.block_size, len(blocks), num_tokens
+    if len(blocks) == 1 and allow_views and is_run(blocks[0]):
+        plan.read_first = int(blocks[0][0]) * slab.block_size
+        plan.read_kind, plan.layer = "view", functools.partial(_view_layer, plan)
+        return
+    heads = slab.layers_k[0].shape[0]
+    if len(blocks) == 1:
+        plan.gather_index = torch.from_numpy(blocks[0]).to(device, non_blocking=True)
+    else:
+        plan.gather_index = (torch.arange(2, device=device).view(2, 1, 1, 1),
+                             torch.arange(heads, device=device).view(1, 1, heads, 1),
+                             torch.from_numpy(np.stack(blocks)).to(device, non_blocking=True).view(1, len(blocks), 1, -1))
+    plan.read_kind, plan.layer = "gather", functools.partial(_gather_layer, plan)
+
+
+def _write(plan, kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    if plan.write_kind == "put":
+        kv[0].index_put_(plan.write_index, key)
+        kv[1].index_put_(plan.write_index, value)
+    else:
+        kv[0].index_copy_(1, plan.write_index, key[0])
+        kv[1].index_copy_(1, plan.write_index, value[0])
+
+
+def _view_layer(plan, layer: int, key: torch.Tensor, value: torch.Tensor, seam):
+    kv = plan.whole[layer]  # [2, H, S, D]
+    _write(plan, kv, key, value)
+    if layer == plan.last_layer:
+        plan.on_last_layer()
+    first, end = plan.read_first, plan.read_first + plan.num_tokens
+    return kv[0, :, first:end].unsqueeze(0), kv[1, :, first:end].unsqueeze(0)
+
+
+def _gather_layer(plan, layer: int, key: torch.Tensor, value: torch.Tensor, seam):
+    kv = plan.whole[layer]  # [2, H, S, D]
+    _write(plan, kv, key, value)
+    heads, slots, dim = kv.shape[1], kv.shape[2] // plan.block_size, kv.shape[3]
+    blocks = kv.view(2, heads, slots, plan.block_size * dim)
+    if plan.num_rows == 1:
+        gathered = blocks.index_select(2, plan.gather_index).unsqueeze(1)  # [2, 1, H, n_blocks, bs * D]
+    else:
+        gathered = blocks[plan.gather_index]  # [2, B, H, n_blocks, bs * D]
+    tokens = gathered.reshape(2, plan.num_rows, heads, -1, dim)[:, :, :, :plan.num_tokens]
+    if layer == plan.last_layer:
+        plan.on_last_layer()
+    return tokens[0], tokens[1]
+
+
+__all__ = ["can_compile", "answer_is_compileable", "expected", "prepare_decode", "note_inputs", "settle", "end_forced_eager", "check_traced", "prepare_traced",
            "CompiledStepError"]

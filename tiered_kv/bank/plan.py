@@ -32,8 +32,9 @@ import torch
 
 from ..blocks import COLD
 from ..store.device_slab import DeviceSlab, is_run
+from .partial import attend_split, prepare_split
 
-KINDS = ("view", "gather", "paged", "staged")
+KINDS = ("view", "gather", "split", "paged", "staged")
 
 
 class GatherBuffer:
@@ -149,43 +150,20 @@ class StepPlan:
                 kv = kv.clone()
         return kv[0], kv[1]
 
-    # ---- layers a compiled step traces (bank/compiled.py): one slab tensor in, no prepared views ---------
-    def _traced_view_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor, seam):
-        keys, values = self.whole[layer, 0], self.whole[layer, 1]  # [H, S, D]
-        keys.index_copy_(1, self.write_index, key[0])
-        values.index_copy_(1, self.write_index, value[0])
-        if layer == self.last_layer:
-            self.on_last_layer()
-        first, end = self.read_first, self.read_first + self.num_tokens
-        return keys[:, first:end].unsqueeze(0), values[:, first:end].unsqueeze(0)
-
-    def _traced_gather_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor, seam):
-        kv = self.whole[layer]  # [2, H, S, D]
-        if self.write_kind == "put":
-            kv[0].index_put_(self.write_index, key)
-            kv[1].index_put_(self.write_index, value)
+    def attend(self, module, query: torch.Tensor, attention_mask, scale: float) -> torch.Tensor:
+        """A paged or split step's attention for one layer (hooks merge mode calls it), `[B, q, Hq, D]`
+        as transformers' attention functions return it: the paged kernel over the rows' blocks where
+        they lie, or one partial attention per run of the CPU slab merged by log-sum-exp (partial.py)."""
+        layer = module.layer_idx
+        if self.read_kind == "split":
+            out = attend_split(self, module, query, attention_mask, scale)
         else:
-            kv[0].index_copy_(1, self.write_index, key[0])
-            kv[1].index_copy_(1, self.write_index, value[0])
-        heads, slots, dim = kv.shape[1], kv.shape[2] // self.block_size, kv.shape[3]
-        blocks = kv.view(2, heads, slots, self.block_size * dim)
-        if self.num_rows == 1:
-            gathered = blocks.index_select(2, self.gather_index).unsqueeze(1)  # [2, 1, H, n_blocks, bs * D]
-        else:
-            gathered = blocks[self.gather_index]  # [2, B, H, n_blocks, bs * D]
-        tokens = gathered.reshape(2, self.num_rows, heads, -1, dim)[:, :, :, :self.num_tokens]
+            sources = self.kernel_sources[layer]
+            out = self.kernels.paged_decode(query[:, :, 0].contiguous(), sources, *self.kernel_args, scale)[0]
+            out = out.unsqueeze(1)
         if layer == self.last_layer:
             self.on_last_layer()
-        return tokens[0], tokens[1]
-
-    def paged_attention(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Decode attention of one layer over the rows' blocks where they lie (the paged kernel):
-        `[B, 1, Hq, D]` as transformers' attention functions return it."""
-        sources = self.kernel_sources[layer]
-        out, _ = self.kernels.paged_decode(query[:, :, 0].contiguous(), sources, *self.kernel_args, scale)
-        if layer == self.last_layer:
-            self.on_last_layer()
-        return out.unsqueeze(1)
+        return out
 
 
 # ---- the contract with tiered_kv.hooks' attention functions ------------------------------------------
@@ -219,11 +197,14 @@ def paged_kernels():
 
 
 def prepare(plan: StepPlan, slab: DeviceSlab | None, buffer: GatherBuffer, dtype: torch.dtype, *,
-            allow_views: bool, paged_kernels=None, mask_starts=None, traced: bool = False) -> StepPlan:
+            allow_views: bool, paged_kernels=None, mask_starts=None, split: bool = False,
+            traced=None) -> StepPlan:
     """Fill `plan` for its lease (one layer group): the kinds of write and read its placement
     allows, and their tensors (module docstring). `allow_views`: a layer may hand attention strided
     views of the slab; `paged_kernels`: the native ops when a paged read may serve the step (merge
-    mode); `mask_starts`: per row, where its attention mask's ones begin (a device int32 tensor)."""
+    mode); `mask_starts`: per row, where its attention mask's ones begin (a device int32 tensor);
+    `split`: a decode step over a few runs of the slab may attend to each in place (merge mode on
+    a CPU: partial.py); `traced`: a compiled step's preparation (compiled.prepare_traced)."""
     lease = plan.lease
     rows = lease.rows
     if slab is None or any(row.skipped_new_tokens for row in rows):
@@ -247,14 +228,18 @@ def prepare(plan: StepPlan, slab: DeviceSlab | None, buffer: GatherBuffer, dtype
     if any(b is None for b in blocks):
         return plan
     num_tokens = lease.rows[0].num_tokens
-    if traced:  # a compiled step: the graph slices and gathers the one slab tensor itself
-        _prepare_traced(plan, slab, blocks, num_tokens, device, allow_views)
+    if traced is not None:  # a compiled step: the graph slices and gathers the one slab tensor itself
+        traced(plan, slab, blocks, num_tokens, device, allow_views)
         return plan
     if len(rows) == 1 and allow_views and is_run(blocks[0]):
         first = int(blocks[0][0]) * slab.block_size
         views = slab.flat[:, :, first:first + num_tokens].unsqueeze(1).unbind(0)
         plan.read_k, plan.read_v = views[0::2], views[1::2]
         plan.read_kind, plan.layer = "view", plan._view_layer
+        return plan
+    if split and len(rows) == 1 and lease.num_new_tokens == 1 and plan.write_kind == "index" and \
+            prepare_split(plan, slab, blocks[0], num_tokens):
+        plan.layer = plan._paged_layer  # (writes, then attention finds the plan in the kwargs)
         return plan
     if allow_views:
         _prepare_block_gather(plan, slab, buffer, blocks, num_tokens, dtype, device)
@@ -263,25 +248,6 @@ def prepare(plan: StepPlan, slab: DeviceSlab | None, buffer: GatherBuffer, dtype
     plan.read_kind = "gather"
     plan.layer = plan._gather_layer if len(rows) == 1 else plan._gather_rows_layer
     return plan
-
-
-def _prepare_traced(plan: StepPlan, slab: DeviceSlab, blocks: list[np.ndarray], num_tokens: int, device,
-                    allow_views: bool) -> None:
-    if plan.write_kind not in ("index", "put"):
-        return  # (its new tokens' block is not on the slab: staged, which no graph can run)
-    plan.whole, plan.block_size, plan.num_rows, plan.num_tokens = slab.whole, slab.block_size, len(blocks), num_tokens
-    if len(blocks) == 1 and allow_views and is_run(blocks[0]):
-        plan.read_first = int(blocks[0][0]) * slab.block_size
-        plan.read_kind, plan.layer = "view", plan._traced_view_layer
-        return
-    heads = slab.layers_k[0].shape[0]
-    if len(blocks) == 1:
-        plan.gather_index = torch.from_numpy(blocks[0]).to(device, non_blocking=True)
-    else:
-        plan.gather_index = (torch.arange(2, device=device).view(2, 1, 1, 1),
-                             torch.arange(heads, device=device).view(1, 1, heads, 1),
-                             torch.from_numpy(np.stack(blocks)).to(device, non_blocking=True).view(1, len(blocks), 1, -1))
-    plan.read_kind, plan.layer = "gather", plan._traced_gather_layer
 
 
 def _prepare_block_gather(plan: StepPlan, slab: DeviceSlab, buffer: GatherBuffer, blocks: list[np.ndarray],

@@ -200,7 +200,8 @@ class Stepping:
             prepare(plan, store.device_slab, self._gather_buffer, store.dtype,
                     allow_views=store.device.type != "cuda" or mode == "merge", paged_kernels=kernels,
                     mask_starts=_mask_starts(attention_mask, step.num_tokens) if kernels is not None else None,
-                    traced=step.compiled)
+                    split=mode == "merge" and kernels is None and store.device.type == "cpu",
+                    traced=compiled.prepare_traced if step.compiled else None)
             if plan.read_kind == "paged":
                 expect_paged(plan)  # attention without the plan would see only the new tokens: it raises
                 step.expects_paged = True

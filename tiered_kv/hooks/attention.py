@@ -40,7 +40,7 @@ def merge_attention(module, query, key, value, attention_mask, scaling=None, dro
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return plan.paged_attention(module.layer_idx, query, scale), None
+    return plan.attend(module, query, attention_mask, scale), None
 
 
 def _missing_plan(module) -> None:
