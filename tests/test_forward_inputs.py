@@ -1,4 +1,4 @@
-"""Which rows of a forward the bank takes as verified (forward_watch -> Stepping._rows_ok).
+"""Which rows of a forward the bank takes as verified (forward_watch -> bank/inputs.py rows_ok).
 
 The rule, as the bank has always applied it: a row's ids are verified when its attention-mask
 row is all ones and its positions continue the bank's length; a mask or positions of another
@@ -13,8 +13,7 @@ import itertools
 
 import torch
 
-import tiered_kv
-from helpers import tiny_model
+from tiered_kv.bank.inputs import rows_ok
 
 SEQ_LEN, NUM_NEW = 5, 3
 
@@ -60,16 +59,12 @@ def positions(rows):
 
 
 def test_rows_ok_keeps_the_rule_for_every_shape():
-    bank = tiered_kv.CacheBank(tiny_model("llama"), {"hot": {"device": "cpu", "capacity_blocks": 8},
-                                                      "cold": {"capacity": 0}})  # (nothing under ~/.cache)
-    bank._seq_len = SEQ_LEN  # (what the rule compares positions with)
     checked = 0
     for rows in (1, 2, 3):
         ids = torch.zeros(rows, NUM_NEW, dtype=torch.long)
         for mask, pos in itertools.product(list(masks(rows)), list(positions(rows))):
-            got = bank._rows_ok(ids, mask, pos)
+            got = rows_ok(ids, mask, pos, SEQ_LEN)  # (SEQ_LEN: what the rule compares positions with)
             want = rule(rows, mask, pos)
             assert (None if got is None else got.tolist()) == want, (rows, mask, pos)
             checked += 1
     assert checked > 200
-    bank.close()

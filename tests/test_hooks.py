@@ -221,7 +221,7 @@ def test_the_gather_buffer_is_one_layer_of_one_chat_and_reused(model, tmp_path):
     reads = _reads(bank)
     assert reads["gather"] > 0 and reads["gather"] + reads["view"] == new_tokens and reads["staged"] == 0, reads
     # 40 steps grew the chat from 8 to 18 blocks: the first allocation, then growth by >= 25% (8 10 12 15 18)
-    assert 1 <= bank._gather_buffer.num_allocations <= 5
+    assert 1 <= bank.steps.gather_buffer.num_allocations <= 5
     bank.close()
 
 

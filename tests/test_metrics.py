@@ -92,7 +92,7 @@ def test_checksum_failure_is_counted_with_its_tier(tmp_path):
     bank.attach(ids)
     out = greedy(model, ids, bank, NEW_TOKENS)
     store = bank.store
-    cold_blocks = [b for b in bank._rows[0].table if store.index.get(b).tier == 2]
+    cold_blocks = [b for b in bank.seq.rows[0].table if store.index.get(b).tier == 2]
     assert cold_blocks, "the first blocks must have gone down to cold"
     flip_cold_byte(store, cold_blocks[0], byte_offset=7)
     assert bank.stats()["metrics"]["checksum_failures_total"] == {"hot": 0, "warm": 0, "cold": 0}

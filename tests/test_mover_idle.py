@@ -149,7 +149,7 @@ def _fresh_rows(store, bank):
 def _cached_rows(store, bank):
     with store.lock:
         store.compaction._refresh()
-        (row,) = store.compaction._rows_by_owner[bank._step_owner]
+        (row,) = store.compaction._rows_by_owner[bank.owner]
         return row.block_ids, row.slots
 
 

@@ -187,7 +187,7 @@ def test_group_keys_differ_for_the_same_ids(tmp_path):
     model = tiny_model("gemma3")
     bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))
     greedy(model, rand_ids(9, 12), bank, 2)
-    roots = {bank._root_key(g) for g in range(6)}
+    roots = {bank.root_key(g) for g in range(6)}
     assert len(roots) == 6 and bank.fingerprint.root_key(bank.store.layout.dtype_name) not in roots
     bank.close()
 
@@ -429,7 +429,7 @@ def test_history_comes_up_newest_first_by_position_across_groups(tmp_path):
     model = tiny_model("gemma3")
     bank = tiered_kv.CacheBank(model, tier_config("all_hot", tmp_path))
     greedy(model, rand_ids(21, 60), bank, 9)
-    order = bank._promotion_order(bank._rows)
+    order = bank.seq.promotion_order()
     newest = {bank.block_table(0, g)[-1] for g in range(6)}
     assert set(order[:6]) == newest
     assert len(order) == len(set(order)) == sum(len(bank.block_table(0, g)) for g in range(6))

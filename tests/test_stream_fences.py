@@ -449,7 +449,7 @@ def test_cuda_a_step_on_another_stream_is_fenced_before_its_blocks_move():
         with torch.cuda.stream(stream):
             step(model, bank, ids[:, 21:])  # a decode step: no host sync, it returns long before its K/V land
         lag["armed"] = False
-        assert bank._last_lease.stream == stream
+        assert bank.steps.last_lease.stream == stream
         bank.offload("warm")  # from the default stream, at once
         torch.cuda.synchronize()
         assert bank.stats()["bank_blocks"]["hot"] == 0
@@ -457,7 +457,7 @@ def test_cuda_a_step_on_another_stream_is_fenced_before_its_blocks_move():
         with torch.no_grad():
             model(ids, cache=expected, use_cache=True)
         store, last = bank.store, len(expected.layers) - 1
-        _, slots = store.placements(bank._rows[0].table)
+        _, slots = store.placements(bank.seq.rows[0].table)
         stored = store.tiers[WARM].read_blocks(slots.tolist()).to("cpu")  # [blocks, L, 2, H, bs, D]
         for kv, name in ((0, "keys"), (1, "values")):
             want = getattr(expected.layers[last], name)[0, :, 21].cpu()

@@ -376,9 +376,9 @@ def refresh_for_forward(bank, module, input_ids) -> None:
     turns stale (publishes and looks up nothing until emptied): its next tokens' KV mixes both."""
     fingerprint = bank.fingerprint
     tracker = fingerprint.tracker
-    if tracker is None or bank._closed:
+    if tracker is None or bank.closed:
         return
-    model_ref = bank._model_ref
+    model_ref = bank.model_ref
     if model_ref is None or model_ref() is not module:
         return
     decode = getattr(input_ids, "ndim", 0) == 2 and input_ids.shape[1] == 1
@@ -387,7 +387,7 @@ def refresh_for_forward(bank, module, input_ids) -> None:
         return
     if fingerprint.is_current(weights):
         fingerprint.weights = weights  # the same state, found again
-    elif bank._seq_len == 0:
+    elif bank.seq.num_tokens == 0:
         bank.fingerprint = fingerprint.under(weights)
     elif not fingerprint.is_stale:
         bank.fingerprint = fingerprint.made_stale()

@@ -47,7 +47,7 @@ def can_compile(bank) -> bool:
     """Whether generate() may compile decode steps with this bank: a bank built from a model (it
     sees the model's forwards) of one full-attention group (a sliding window's steps change which
     blocks a layer reads in ways a graph does not follow)."""
-    return bank.layer_groups.is_single_full and bank._model_ref is not None
+    return bank.layer_groups.is_single_full and bank.model_ref is not None
 
 
 def answer_is_compileable(bank, caller) -> bool:
@@ -63,10 +63,10 @@ def answer_is_compileable(bank, caller) -> bool:
         return False
     name = caller.f_code.co_name
     if name == "_valid_auto_compile_criteria":
-        bank._generate_compiles = _generate_compiles(caller.f_locals)
+        bank.steps.generate_compiles = _generate_compiles(caller.f_locals)
         return True
     if name == "prepare_inputs_for_generation":
-        return bank._generate_compiles
+        return bank.steps.generate_compiles
     return caller.f_globals.get("__name__") != "transformers.masking_utils"
 
 
@@ -82,54 +82,54 @@ def _generate_compiles(local_vars: dict) -> bool:
         bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", False))
 
 
-def expected(bank) -> bool:
+def expected(steps) -> bool:
     """Whether the model's next decode forward may be compiled (a generate() that compiles runs)."""
-    return bank._generate_compiles and bank.layer_groups.is_single_full
+    return steps.generate_compiles and steps.seq.layer_groups.is_single_full
 
 
-def prepare_decode(bank, num_new_tokens: int) -> None:
+def prepare_decode(steps, num_new_tokens: int) -> None:
     """Outside the graph, before a compiled decode forward: settle the step before, then open this
     one (lease, plan, id buffers), so the forward only runs tensor ops on it."""
-    step = bank._step
+    step, seq = steps.step, steps.seq
     if step is not None and step.compiled and not step.layers_done and step.num_new_tokens == num_new_tokens:
         return  # prepared already (generate asks the query offset, then the mask sizes, for one step)
-    settle(bank)
-    if bank._step is not None or not bank._rows or not bank.store.is_bound:
+    settle(steps)
+    if steps.step is not None or not seq.rows or not steps.store.is_bound:
         return
-    bank._begin_step(bank.batch_size, num_new_tokens, None, compiled=True)
-    if bank._plan is not None and bank._plan.read_kind not in ("view", "gather") and _fits_device_slab(bank):
-        bank._rollback_step()  # its blocks are where no graph reads them, but would fit where one does
-        bank._promote_rows(bank._rows)
-        bank._begin_step(bank.batch_size, num_new_tokens, None, compiled=True)
-    step = bank._step
-    if step is None or bank._plan is None:
+    steps.begin(seq.batch_size, num_new_tokens, None, compiled=True)
+    if steps.plan is not None and steps.plan.read_kind not in ("view", "gather") and _fits_device_slab(steps):
+        steps.rollback()  # its blocks are where no graph reads them, but would fit where one does
+        steps.bank.promote_rows(seq.rows)
+        steps.begin(seq.batch_size, num_new_tokens, None, compiled=True)
+    step = steps.step
+    if step is None or steps.plan is None:
         return
-    if bank._plan.read_kind not in ("view", "gather"):  # (a graph cannot read it: this forward runs eagerly)
+    if steps.plan.read_kind not in ("view", "gather"):  # (a graph cannot read it: this forward runs eagerly)
         log_once(log, logging.WARNING, "tiered_kv: a compiled decode step reads blocks the device does not hold in "
                  "place (cold, compressed or a GPU's warm): it runs eagerly (raise hot.capacity to keep the chat "
                  "on the device slab)")
-        bank._forced_eager = True
+        steps.forced_eager = True
         torch.compiler.set_stance("force_eager")
         return
-    device = bank.store.device
+    device, before = steps.store.device, seq.num_tokens
     step.ids_buffer = torch.zeros((step.num_rows, num_new_tokens), dtype=torch.long, device=device)
     step.ok_buffer = torch.zeros(step.num_rows, dtype=torch.bool, device=device)
-    step.expected_positions = torch.arange(bank._seq_len, bank._seq_len + num_new_tokens, device=device)
+    step.expected_positions = torch.arange(before, before + num_new_tokens, device=device)
 
 
-def _fits_device_slab(bank) -> bool:
+def _fits_device_slab(steps) -> bool:
     """Whether the chat's blocks (and one more per row) fit the tiers the device slab holds."""
-    store = bank.store
+    store = steps.store
     slab = store.device_slab
     capacity = sum(n for tier, n in enumerate(store.capacities) if tier < len(slab.first_slot) - 1
                    and slab.first_slot[tier] >= 0)
-    return sum(len(row.table) + 1 for row in bank._rows) <= capacity
+    return sum(len(row.table) + 1 for row in steps.seq.rows) <= capacity
 
 
-def note_inputs(bank, input_ids, position_ids) -> None:
+def note_inputs(steps, input_ids, position_ids) -> None:
     """Inside the graph (the forward pre-hook): the step's token ids, and whether their positions
     continue the bank's tokens, into the step's buffers."""
-    step = bank._step
+    step = steps.step
     if step is None or not step.compiled or input_ids is None or input_ids.shape != step.ids_buffer.shape:
         return
     step.ids_buffer.copy_(input_ids)
@@ -139,36 +139,36 @@ def note_inputs(bank, input_ids, position_ids) -> None:
         step.ok_buffer.copy_((position_ids == step.expected_positions).all(dim=-1).expand(step.num_rows))
 
 
-def end_forced_eager(bank) -> None:
+def end_forced_eager(steps) -> None:
     """At the bank's next eager call after a forward prepare_decode made eager (outside any forward:
     torch checks the stance as the compiled call returns): compiled calls compile again."""
-    if bank._forced_eager:
-        bank._forced_eager = False
+    if steps.forced_eager:
+        steps.forced_eager = False
         torch.compiler.set_stance("default")
 
 
-def settle(bank) -> None:
+def settle(steps) -> None:
     """At the bank's next eager call: commit the compiled step that ran (its ids read once their
     copy landed), or roll back one whose graph did not finish."""
-    end_forced_eager(bank)
-    step = bank._step
+    end_forced_eager(steps)
+    step = steps.step
     if step is None or not step.compiled:
         return
     if not step.layers_done:
-        bank._rollback_step()
+        steps.rollback()
         return
     ids, ok = step.ids_buffer, step.ok_buffer
     if ids.is_cuda:
         step.inputs = DeferredInputs.copy(ids, ok)
     else:
         step.inputs = [RowInputs(row, bool(v)) for row, v in zip(ids.tolist(), ok.tolist())]
-    bank._commit_step()
+    steps.commit()
 
 
-def check_traced(bank):
+def check_traced(steps):
     """The plan of the compiled step a traced layer 0 runs (raised in the graph when none)."""
-    plan = bank._plan
-    if plan is None or not bank._step.compiled:
+    plan = steps.plan
+    if plan is None or not steps.step.compiled:
         raise CompiledStepError("a compiled forward found no decode step prepared for it: the bank prepares one when "
                                 "generate() builds the step's mask (get_mask_sizes); call the compiled model through "
                                 "generate(), or run it eagerly")

@@ -17,6 +17,7 @@ import torch
 
 from ..identity import refresh_for_forward
 from . import compiled
+from .steps import StepMachine
 
 _INSTALLED_ATTR = "_tiered_kv_forward_watch"
 _INSTALL_LOCK = threading.Lock()
@@ -26,7 +27,7 @@ def _cache_in(kwargs: dict):
     cache = kwargs.get("cache")
     if cache is None:
         cache = kwargs.get("past_key_values")
-    return cache if hasattr(cache, "_note_forward_inputs") else None
+    return cache if isinstance(getattr(cache, "steps", None), StepMachine) else None
 
 
 def _before_forward(module, args, kwargs):
@@ -36,17 +37,17 @@ def _before_forward(module, args, kwargs):
         if input_ids is None and args:
             input_ids = args[0]
         if torch.compiler.is_compiling():  # inside a compiled decode forward: tensor ops only (compiled.py)
-            compiled.note_inputs(bank, input_ids, kwargs.get("position_ids"))
+            compiled.note_inputs(bank.steps, input_ids, kwargs.get("position_ids"))
             return None
         refresh_for_forward(bank, module, input_ids)  # the weights (adapters) about to act name its new blocks
-        bank._note_forward_inputs(module, input_ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+        bank.steps.note_forward_inputs(module, input_ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
     return None
 
 
 def _after_forward(module, args, kwargs, result):
     bank = _cache_in(kwargs)
     if bank is not None and not torch.compiler.is_compiling():  # (a compiled step settles at the next eager call)
-        bank._note_forward_end(failed=result is None)
+        bank.steps.note_forward_end(failed=result is None)
     return None
 
 
@@ -58,11 +59,3 @@ def watch(model) -> None:
         pre = model.register_forward_pre_hook(_before_forward, with_kwargs=True)
         post = model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)
         object.__setattr__(model, _INSTALLED_ATTR, (pre, post))
-
-
-def unwatch(model) -> None:
-    handles = getattr(model, _INSTALLED_ATTR, None)
-    if handles is not None:
-        for handle in handles:
-            handle.remove()
-        object.__setattr__(model, _INSTALLED_ATTR, None)

@@ -62,6 +62,30 @@ class DeferredInputs:
 
 
 @dataclass
+class Turn:
+    """What a bank keeps of its chat's turn: when it began (until its first forward ended: the time
+    to first token), whether attach() counted it already, and the seconds its own thread spent
+    moving blocks (`critical_path`, by direction)."""
+
+    started_s: float | None = None
+    counted: bool = False
+    critical_path: dict = field(default_factory=lambda: {"demote_s": 0.0, "promote_s": 0.0})
+
+    def charge_moves(self, store, before: dict) -> None:
+        """Add the seconds this thread waited for the store's demand moves since `before`
+        (`moved_seconds(store)` taken then)."""
+        after = moved_seconds(store)
+        for direction in ("demote", "promote"):
+            self.critical_path[f"{direction}_s"] += after[direction] - before[direction]
+
+
+def moved_seconds(store) -> dict:
+    """Seconds this thread has waited for the store's demand moves so far, by direction."""
+    demand = store.demand
+    return dict(demand.thread_seconds()) if demand is not None else {"demote": 0.0, "promote": 0.0}
+
+
+@dataclass
 class Step:
     num_new_tokens: int
     num_tokens: int  # the bank's length once committed

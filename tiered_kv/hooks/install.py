@@ -71,10 +71,10 @@ def install(model, bank, mode: str = "exact") -> None:
         mode = RENAMED_MODES[mode]
     if mode not in MODES:
         raise ValueError(f"tiered_kv.hooks.install(mode={mode!r}): allowed: {sorted(MODES)}")
-    if not hasattr(bank, "hooks_mode") or not hasattr(bank, "_make_plan"):
+    if not hasattr(bank, "hooks_mode") or not hasattr(bank, "steps"):
         raise TypeError(f"tiered_kv.hooks.install: `bank` must be a tiered_kv.CacheBank; got {type(bank).__name__}")
     model = runtime_model(model)  # a PeftModel: the inner model's attention runs
-    if bank._model_ref is None or bank._model_ref() is not model:
+    if bank.model_ref is None or bank.model_ref() is not model:
         raise ValueError("tiered_kv.hooks.install: the bank must be built from this model (CacheBank(model, cfg)); "
                          "a bank built from a config alone cannot see the model's forward passes")
     check_servable(model)

@@ -36,7 +36,7 @@ from .. import hooks
 from ..bank import CacheBank
 from ..blocks import layout_from_model_config
 from ..config import Config, load_config
-from ..blocks import HOT, TIER_NAMES
+from ..blocks import COLD, HOT, TIER_NAMES
 from .diagnose_flags import Thresholds, find_flags
 from .diagnose_report import (ActivationFigures, BufferFigures, KVFigures, LayoutFigures, LinkFigures, ModelFigures,
                               ProcessFigures, Report, RunFigures, TierFigures)
@@ -135,7 +135,7 @@ def _measure(model, bank: CacheBank, ids: list[int], new_tokens: int, device_all
     store = bank.store
     device = store.device
     is_cuda = device.type == "cuda"
-    used_blocks_before = [pool.num_used for pool in store.pools]
+    used_blocks_before = [pool.num_used - _durable_copies(store, t) for t, pool in enumerate(store.pools)]
     input_ids = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     sampler = _SaturationSampler(store.link_monitor)
 
@@ -212,6 +212,13 @@ def _reserved_bytes(store, tier: int) -> int:
     return store.tiers[tier].reserved_bytes if store.tiers[tier] is not None else 0
 
 
+def _durable_copies(store, tier: int) -> int:
+    """Cold slots holding only a durable copy of a block above cold (written behind by the mover,
+    whenever it gets to it): room the store counts as free (StoreState.free_slots), not as used."""
+    copies = store.state.copies
+    return len(copies) if tier == COLD and copies else 0
+
+
 def _kv_figures(store, bank: CacheBank, stats: dict, used_blocks_before: list[int]) -> KVFigures:
     """The KV figures, read from the store's tiers and pools (of a settled store)."""
     block_size = store.layout.block_size
@@ -228,12 +235,13 @@ def _kv_figures(store, bank: CacheBank, stats: dict, used_blocks_before: list[in
     tiers = {}
     for t, name in enumerate(TIER_NAMES):
         pool = store.pools[t]
+        used = pool.num_used - _durable_copies(store, t)
         prompt_blocks = int(stats["bank_blocks"][name])
         tier_bytes = stats["tiers"][name].get("block_bytes", block_bytes)  # compressed: fewer
         tiers[name] = TierFigures(
             location=str(stats["tiers"][name]["device"]), capacity_blocks=pool.num_slots,
-            used_blocks_before=used_blocks_before[t], used_blocks=pool.num_used, prompt_blocks=prompt_blocks,
-            reserved_bytes=_reserved_bytes(store, t), used_bytes=pool.num_used * tier_bytes,
+            used_blocks_before=used_blocks_before[t], used_blocks=used, prompt_blocks=prompt_blocks,
+            reserved_bytes=_reserved_bytes(store, t), used_bytes=used * tier_bytes,
             prompt_bytes=prompt_blocks * tier_bytes,
             moved_in_bytes=sum(v for k, v in stats["bytes_moved"].items() if k.endswith(f"->{name}")),
             block_bytes=tier_bytes, compression=stats["tiers"][name].get("compression", "none"))
