@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .checks import ALLOWED_COMPRESSION, MAX_BLOCK_SIZE_TOKENS, parse_size
 from .load import default_config_path, load_config
-from .placement import ALLOWED_POLICIES, RESTORE_MODES, SchedulerConfig
+from .placement import ALLOWED_POLICIES, POLICY_ALIASES, RESTORE_MODES, SchedulerConfig
 from .remote import REMOTE_SCHEMES, REMOTE_WRITE_MODES, RemoteConfig
 from .runtime import ALLOWED_COPY_ENGINES, MAX_COPY_DELAY_US, CopiesConfig, MetricsConfig
 from .schema import BLOCK_SIZE_AUTO, BlockSizeAutoConfig, Config
@@ -23,5 +23,5 @@ from .tiers import ALLOWED_ADMIT, ALLOWED_BACKENDS, ALLOWED_PINNED, ALLOWED_WARM
 __all__ = ["ALLOWED_ADMIT", "ALLOWED_BACKENDS", "ALLOWED_COMPRESSION", "ALLOWED_COPY_ENGINES", "ALLOWED_PINNED",
            "ALLOWED_POLICIES", "ALLOWED_WARM_LAYOUTS", "BLOCK_SIZE_AUTO", "BlockSizeAutoConfig", "ColdConfig", "Config",
            "ConfigError", "CopiesConfig", "HotConfig", "MAX_BLOCK_SIZE_TOKENS", "MAX_COPY_DELAY_US", "MetricsConfig",
-           "REMOTE_SCHEMES", "REMOTE_WRITE_MODES", "RESTORE_MODES", "RemoteConfig", "SchedulerConfig", "WarmConfig",
-           "default_config_path", "load_config", "parse_size"]
+           "POLICY_ALIASES", "REMOTE_SCHEMES", "REMOTE_WRITE_MODES", "RESTORE_MODES", "RemoteConfig",
+           "SchedulerConfig", "WarmConfig", "default_config_path", "load_config", "parse_size"]

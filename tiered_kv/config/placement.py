@@ -8,7 +8,10 @@ from typing import Any, ClassVar
 from ..errors import ConfigError
 from .checks import _choices, _error, _is_int, _is_share
 
-ALLOWED_POLICIES = ("lru", "lfu", "fifo", "ali")
+ALLOWED_POLICIES = ("lru", "lfu", "fifo", "turns")
+# older names a config may still give, each meaning the policy it names here: `ali` was the turns
+# policy's first name (it ranks chats by turn heat or recency, not by ALI)
+POLICY_ALIASES = {"ali": "turns"}
 RESTORE_MODES = ("auto", "always")  # scheduler.restore (scheduler/restore.py)
 
 
@@ -21,10 +24,12 @@ class SchedulerConfig:
     BS (link saturation, 0..1): above `bs_threshold`, optional background moves wait. CS (cost
     sensitivity, 0..1, per chat: `CacheBank(..., cost_sensitivity=)`, else
     `default_cost_sensitivity`) adds `cs_weight * CS` to a block's value under every policy (in
-    the policy's unit: times `ali_window` for the step-valued ones; log2 turn heat under `ali`,
+    the policy's unit: times `ali_window` for the step-valued ones; log2 turn heat under `turns`,
     where 0.5 is worth 8 turns of decay at the default half-life), so high-CS chats stay hot
-    longer and are the last victims. `lfu` (the default) ages its counts and `ali` ranks chats
-    by turn heat: see tiered_kv/scheduler/access_log.py.
+    longer and are the last victims. `lfu` (the default) ages its counts and `turns` ranks chats
+    by turn heat or by recency, whichever has lately predicted the next speaker better: see
+    tiered_kv/scheduler/policies.py and access_log.py. `policy: ali` is accepted and means
+    `turns` (its former name; `policy` then reads "turns").
     """
     policy: str = "lfu"
     ali_window: int = 100  # store steps
@@ -34,9 +39,9 @@ class SchedulerConfig:
     cs_weight: float = 0.5
     default_cost_sensitivity: float = 0.5
     idle_steps: int = 1000  # a chat unread this many store steps has its hot blocks demoted; 0: never
-    half_life_turns: float = 16.0  # `ali`: a chat's turn heat halves every this many turns of the store
+    half_life_turns: float = 16.0  # `turns`: a chat's turn heat halves every this many turns of the store
     lfu_half_life_turns: float = 16.0  # `lfu`: a read counts half after this many turns of the store
-    ali_promote: bool = False  # `ali`: the mover also brings up blocks read lately whose ALI says hot
+    ali_promote: bool = False  # `turns`: the mover also brings up blocks read lately whose ALI says hot
     restore: str = "always"  # auto: a turn restores only the stored prefix that loads faster than it recomputes
     background: bool = True  # run the background mover (prefetch, watermark demotion, compaction)
     mover_interval_s: float = 0.02  # how often the mover looks for work when nobody wakes it
@@ -47,8 +52,11 @@ class SchedulerConfig:
                                           "default_cost_sensitivity", "max_fragmentation", "min_contiguity")
 
     def __post_init__(self) -> None:
+        if isinstance(self.policy, str) and self.policy in POLICY_ALIASES:
+            object.__setattr__(self, "policy", POLICY_ALIASES[self.policy])
         if self.policy not in ALLOWED_POLICIES:
-            raise _error("scheduler.policy", self.policy, _choices(ALLOWED_POLICIES))
+            raise _error("scheduler.policy", self.policy, _choices(ALLOWED_POLICIES) + " ('ali' is accepted as "
+                         "the former name of 'turns')")
         if not (_is_int(self.ali_window) and self.ali_window >= 1):
             raise _error("scheduler.ali_window", self.ali_window, "an integer >= 1 (store steps)")
         for name in self._SHARES:

@@ -7,7 +7,7 @@ Two signals decide them besides the policy's victim order:
             block) plus the CS bonus `cs_weight * CS`; it names the tier a block belongs in: hot
             above `ali_hot`, warm above `ali_warm`, else cold (`Locality.target_tiers`). Under
             every policy a watermark demotion leaves a block whose locality names its tier or a
-            higher one (a working set it would only fetch back); with `ali_promote`, the `ali`
+            higher one (a working set it would only fetch back); with `ali_promote`, the `turns`
             policy also brings spilled blocks up to where it names.
   idleness  the store steps since a hot block was last read or arrived, against `idle_steps`
             times 1 + CS.

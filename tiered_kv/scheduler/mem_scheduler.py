@@ -6,7 +6,7 @@ returns a Plan the TierStore applies as a unit under the same lock. Nothing is a
 is infeasible (None is returned), so a request that cannot fit leaves the store untouched.
 
 Victims. When a tier is full, its movable block of least *value* under the policy (policies.py:
-lru, lfu, fifo, ali) moves one tier down (a block arriving in a tier counts as the most recent
+lru, lfu, fifo, turns) moves one tier down (a block arriving in a tier counts as the most recent
 there); where nothing can go down, the least valuable unreferenced block of the tier is dropped.
 Above every value: the blocks of a chat whose turn was announced (prefetch, attach) and has not
 read them yet, under every policy. Blocks the caller protects and blocks pinned by a running step
@@ -14,7 +14,7 @@ read them yet, under every policy. Blocks the caller protects and blocks pinned 
 
 Background plans (`plan_background`, carried out by the store's mover off the critical path;
 background.py): demote by policy when a tier is fuller than its high watermark, down to its low
-one; demote chats idle for `idle_steps`; under `ali` with `ali_promote`, bring blocks whose ALI
+one; demote chats idle for `idle_steps`; under `turns` with `ali_promote`, bring blocks whose ALI
 says hot (> ali_hot) or warm (> ali_warm) up while the tier is under its low watermark.
 """
 
@@ -25,12 +25,12 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..block_index import BlockIndex
-from ..config import ALLOWED_POLICIES, SchedulerConfig
+from ..config import ALLOWED_POLICIES, POLICY_ALIASES, SchedulerConfig
 from . import background
 from .access_log import AccessLog
 from .background import Locality, Watermarks
 from .plan import COLD, DROPPED, HOT, WARM, Plan
-from .policies import VictimOrder, policy_for
+from .policies import PolicyName, VictimOrder, policy_for
 from .simulation import Simulation, movable_test
 
 __all__ = ["ALLOWED_POLICIES", "MemScheduler", "Watermarks"]
@@ -38,15 +38,18 @@ __all__ = ["ALLOWED_POLICIES", "MemScheduler", "Watermarks"]
 
 class MemScheduler:
     """Plans for one store. `settings` is a SchedulerConfig (or just a policy name, the rest
-    defaulted); `access_log` is the store's (a private empty one when not given)."""
+    defaulted); `access_log` is the store's (a private empty one when not given). `policy` is the
+    policy's name ("turns" when the config said "ali", its former name; it still compares equal
+    to "ali" for code that tests the former name: PolicyName)."""
 
     def __init__(self, settings: SchedulerConfig | str = "lru", access_log: AccessLog | None = None):
         if isinstance(settings, str):
-            if settings not in ALLOWED_POLICIES:
-                raise ValueError(f"scheduler.policy {settings!r} is not known; allowed: {ALLOWED_POLICIES}")
+            if settings not in ALLOWED_POLICIES and settings not in POLICY_ALIASES:
+                raise ValueError(f"scheduler.policy {settings!r} is not known; allowed: {ALLOWED_POLICIES} "
+                                 f"(or a former name: {', '.join(POLICY_ALIASES)})")
             settings = SchedulerConfig(policy=settings)
         self.settings = settings
-        self.policy = settings.policy
+        self.policy = PolicyName(settings.policy)
         self.cs_weight = settings.cs_weight
         self.access_log = access_log if access_log is not None else AccessLog.from_settings(settings)
         self.locality = Locality(self.access_log, settings)
@@ -54,6 +57,12 @@ class MemScheduler:
     def _simulation(self, index, free_slots, capacities, movable) -> Simulation:
         policy = policy_for(self.policy, index, self.access_log, self.cs_weight)
         return Simulation(index, free_slots, capacities, movable, VictimOrder(policy, index, self.access_log))
+
+    @property
+    def promotes_by_locality(self) -> bool:
+        """Whether background plans also bring spilled blocks up to where ALI says they belong
+        (the `turns` policy with `ali_promote`)."""
+        return self.policy == "turns" and self.settings.ali_promote
 
     # ---- signals ---------------------------------------------------------------------------
     def scores(self, block_ids) -> np.ndarray:
@@ -156,7 +165,7 @@ class MemScheduler:
            turn awaits (a prefetch's, or the coming chat's already hot ones). Unreferenced
            cached blocks with nowhere to go are dropped.
         2. hot blocks unread for `idle_steps` store steps (times 1 + CS) go to warm (not awaited ones).
-        3. under `ali` with `ali_promote`, warm and cold blocks read in the last tenth of the ALI window (a working
+        3. under `turns` with `ali_promote`, warm and cold blocks read in the last tenth of the ALI window (a working
            set that spilled) whose score names a higher tier come up while that tier stays
            under its low watermark (most valuable first; the room between the low and high
            marks stays free for the blocks new turns allocate).
@@ -165,7 +174,7 @@ class MemScheduler:
         sim = self._simulation(index, free_slots, capacities, movable_test(frozenset(), is_pinned))
         background.demote_over_watermarks(sim, index, capacities, watermarks, max_moves, self.locality)
         background.demote_idle(sim, index, capacities, max_moves, self.access_log, self.settings.idle_steps)
-        if self.policy == "ali" and self.settings.ali_promote:
+        if self.promotes_by_locality:
             background.promote_by_locality(sim, index, capacities, watermarks, max_moves, self.locality)
         return Plan(moves=sim.moves)
 

@@ -8,10 +8,11 @@ policy may add a second key, `tiebreak(ids)`, for blocks of equal value (None: r
   lru   the last store step that read it or brought it into its tier
   fifo  the store step it entered its current tier
   lfu   how many store steps read it, each read halved every `lfu_half_life_turns` store turns
-  ali   the turn heat of the hottest chat that read it (access_log.py: decayed turn counts),
-        blocks read in the last quarter of the ALI window above any heat, while heat has
-        predicted the next speaker better than recency; else lru's value. The other key breaks
-        ties (recency under heat, heat under recency)
+  turns the turn heat of the hottest chat that read it (access_log.py: each chat's turns, each
+        decaying by half every `half_life_turns` turns of the store: LRFU in turns), blocks read
+        in the last quarter of the ALI window above any heat, while heat has predicted the next
+        speaker better than recency; else lru's value. The other key breaks ties (recency under
+        heat, heat under recency). Config `policy: ali` names it too (its former name)
 
 plus a cost-sensitivity bonus of `cs_weight * CS` (in the policy's own unit: `* ali_window` for
 the step-valued ones), so a high-CS chat's blocks go last and a low-CS chat's first.
@@ -26,6 +27,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
+
+from ..config import POLICY_ALIASES
 
 _IN_USE = 1e9  # added to the heat of blocks a chat is using now
 _AWAITED = 1e15  # added to the value of blocks an announced turn awaits (above any other value)
@@ -83,7 +86,7 @@ class Lfu(_PolicyBase):
 
 
 class TurnHeat(_PolicyBase):
-    """The coldest chat first (`ali`): the turn heat of the hottest chat that read each block while
+    """The coldest chat first (`turns`): the turn heat of the hottest chat that read each block while
     heat has predicted the next speaker better than recency lately, else recency; the other key
     breaks ties."""
 
@@ -112,12 +115,27 @@ class TurnHeat(_PolicyBase):
         return np.where(in_use, heat + _IN_USE, heat)
 
 
-POLICIES: dict[str, type[_PolicyBase]] = {"lru": Lru, "lfu": Lfu, "fifo": Fifo, "ali": TurnHeat}
+class PolicyName(str):
+    """A policy's name (MemScheduler.policy) that also equals the policy's former names
+    (config.POLICY_ALIASES): code that still compares it with "ali" (store/mover.py's wake-up for
+    ALI promotion) keeps meaning the turns policy. Prints, hashes and serializes as the name."""
+
+    def __eq__(self, other) -> bool:
+        return str.__eq__(self, other) or (isinstance(other, str) and POLICY_ALIASES.get(str(other)) == str(self))
+
+    def __ne__(self, other) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__
+
+
+POLICIES: dict[str, type[_PolicyBase]] = {"lru": Lru, "lfu": Lfu, "fifo": Fifo, "turns": TurnHeat}
 
 
 def policy_for(name: str, index, log, cs_weight: float) -> Policy:
-    """The policy called `name` (a SchedulerConfig's `policy`) over this index and log."""
-    return POLICIES[name](index, log, cs_weight)
+    """The policy called `name` (a SchedulerConfig's `policy`, or a former name of one) over this
+    index and log."""
+    return POLICIES[POLICY_ALIASES.get(name, name)](index, log, cs_weight)
 
 
 class VictimOrder:
