@@ -87,7 +87,7 @@ def model_layout(model, block_size: int, dtype_name: str):
 def history_ids(model, tokenizer, args) -> torch.Tensor:
     if tokenizer is None:
         return torch.randint(3, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(1))
-    from tiered_kv.compression.quality import default_text
+    from tiered_kv.tools.quality import default_text
 
     return tokenizer(default_text(), return_tensors="pt").input_ids[:, :args.context]
 

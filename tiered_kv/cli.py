@@ -2,7 +2,7 @@
 `tiered-kv inspect` and `tiered-kv gc` look into and clean a cold directory; `tiered-kv diagnose`
 measures where memory goes for one prompt (tiered_kv/tools/); `tiered-kv plot` draws a trace that
 `chat --trace` wrote (tiered_kv/trace/); `tiered-kv quality` measures what a compressed lower tier
-costs a model (tiered_kv/compression/quality.py).
+costs a model (tiered_kv/tools/quality.py).
 
 Bad input (a config that does not validate, a missing model or script file, a prompt too long
 for the model or the tiers) is reported as one line on stderr with exit status 2, never a
@@ -31,7 +31,7 @@ LOGGER_NAME = "tiered_kv"
 
 
 def _quality(args: argparse.Namespace) -> int:
-    from .compression import quality
+    from .tools import quality
     from .models import ModelNotFoundError, load_model
 
     try:

@@ -145,7 +145,7 @@ def _compression_list(text: str) -> list[str]:
 
 
 def _add_quality_command(commands) -> None:
-    from .compression.quality import DEFAULT_CHUNK_TOKENS, DEFAULT_CONTINUATION_TOKENS, DEFAULT_TOKENS
+    from .tools.quality import DEFAULT_CHUNK_TOKENS, DEFAULT_CONTINUATION_TOKENS, DEFAULT_TOKENS
 
     quality = commands.add_parser(
         "quality", help="measure what a compressed lower tier costs a model: next-token agreement, perplexity, "

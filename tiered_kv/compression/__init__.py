@@ -24,7 +24,7 @@ measures what a mode costs a model (README: the bundled model's figures).
 
 This module (no torch) has the modes and sizes; packing.py packs and unpacks (vectorized torch, CPU
 or CUDA, no per-token Python: the native kernel's reference); codec.py is what the tiers call (it
-decodes with the native kernel on a GPU); quality.py measures what a mode costs a model.
+decodes with the native kernel on a GPU). tools/quality.py measures what a mode costs a model.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..blocks import NUM_TIERS
+from .index_view import IndexView
 from .plan import COLD, HOT, WARM
 from .simulation import Simulation
 
@@ -59,7 +60,7 @@ def _lower_tier_with_room(sim: Simulation, capacities: list[int], below: int) ->
     return None
 
 
-def demote_over_watermarks(sim: Simulation, index, capacities: list[int], watermarks: Watermarks,
+def demote_over_watermarks(sim: Simulation, index: IndexView, capacities: list[int], watermarks: Watermarks,
                            max_moves: int, locality: Locality) -> None:
     """A tier fuller than its high watermark gives up its least valuable blocks down to its low one
     (warm first, so hot's victims find room there), one tier down (lower only when that one is
@@ -90,7 +91,7 @@ def demote_over_watermarks(sim: Simulation, index, capacities: list[int], waterm
             used -= 1
 
 
-def demote_idle(sim: Simulation, index, capacities: list[int], max_moves: int, log, idle_steps: int) -> None:
+def demote_idle(sim: Simulation, index: IndexView, capacities: list[int], max_moves: int, log, idle_steps: int) -> None:
     """Hot blocks unread for `idle_steps` store steps (times 1 + CS) go to warm (not awaited ones)."""
     if idle_steps == 0 or capacities[WARM] == 0 or index.count_in(HOT) == 0:
         return
@@ -104,7 +105,7 @@ def demote_idle(sim: Simulation, index, capacities: list[int], max_moves: int, l
             sim.move(block_id, HOT, WARM)
 
 
-def idle_outlook(index, capacities: list[int], log, idle_steps: int) -> tuple[int | None, bool]:
+def idle_outlook(index: IndexView, capacities: list[int], log, idle_steps: int) -> tuple[int | None, bool]:
     """After a background plan: (the earliest store step at which one more hot block may turn idle,
     or None when idle demotion is off; whether some hot block is idle already (one the plan could
     not move: pinned, or no room in warm)). Blocks that arrive in hot later turn idle no sooner
@@ -122,8 +123,8 @@ def idle_outlook(index, capacities: list[int], log, idle_steps: int) -> tuple[in
     return next_step, bool(idle_now.any())
 
 
-def promote_by_locality(sim: Simulation, index, capacities: list[int], watermarks: Watermarks, max_moves: int,
-                        locality: Locality) -> None:
+def promote_by_locality(sim: Simulation, index: IndexView, capacities: list[int], watermarks: Watermarks,
+                        max_moves: int, locality: Locality) -> None:
     """Warm and cold blocks read in the last tenth of the ALI window (a working set that spilled)
     whose locality names a higher tier come up while that tier stays under its low watermark (most
     valuable first; the room between the low and high marks stays free for new turns' blocks)."""

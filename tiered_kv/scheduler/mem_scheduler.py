@@ -1,6 +1,6 @@
 """MemScheduler: decides where blocks go and returns a Plan. Ids only, no torch.
 
-It reads the BlockIndex (tiers, recency orders, references), the AccessLog (which store steps
+It reads the store's BlockIndex through an IndexView (index_view.py: tiers, recency orders, references), the AccessLog (which store steps
 read which blocks) and the free slot count of each tier, simulates the moves (simulation.py), and
 returns a Plan the TierStore applies as a unit under the same lock. Nothing is applied when a plan
 is infeasible (None is returned), so a request that cannot fit leaves the store untouched.
@@ -24,11 +24,11 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ..block_index import BlockIndex
 from ..config import ALLOWED_POLICIES, POLICY_ALIASES, SchedulerConfig
 from . import background
 from .access_log import AccessLog
 from .background import Locality, Watermarks
+from .index_view import IndexView
 from .plan import COLD, DROPPED, HOT, WARM, Plan
 from .policies import PolicyName, VictimOrder, policy_for
 from .simulation import Simulation, movable_test
@@ -76,7 +76,7 @@ class MemScheduler:
     def plan_new_blocks(
         self,
         num_new_blocks: int,
-        index: BlockIndex,
+        index: IndexView,
         free_slots: list[int],
         capacities: list[int],
         protect: Iterable[int] = frozenset(),
@@ -101,7 +101,7 @@ class MemScheduler:
     def plan_promotion(
         self,
         block_ids: list[int],
-        index: BlockIndex,
+        index: IndexView,
         free_slots: list[int],
         capacities: list[int],
         is_pinned: Callable[[int], bool] | None = None,
@@ -127,7 +127,7 @@ class MemScheduler:
         self,
         block_ids: list[int],
         dst_tier: int,
-        index: BlockIndex,
+        index: IndexView,
         free_slots: list[int],
         capacities: list[int],
         is_pinned: Callable[[int], bool] | None = None,
@@ -149,7 +149,7 @@ class MemScheduler:
 
     def plan_background(
         self,
-        index: BlockIndex,
+        index: IndexView,
         free_slots: list[int],
         capacities: list[int],
         watermarks: Watermarks,
@@ -178,7 +178,7 @@ class MemScheduler:
             background.promote_by_locality(sim, index, capacities, watermarks, max_moves, self.locality)
         return Plan(moves=sim.moves)
 
-    def idle_outlook(self, index: BlockIndex, capacities: list[int]) -> tuple[int | None, bool]:
+    def idle_outlook(self, index: IndexView, capacities: list[int]) -> tuple[int | None, bool]:
         """After a background plan: (the earliest store step at which one more hot block may
         turn idle, or None when idle demotion is off; whether some hot block is idle already
         (one the plan could not move: pinned, or no room in warm)). Blocks that arrive in hot

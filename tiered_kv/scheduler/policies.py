@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from ..config import POLICY_ALIASES
+from .index_view import IndexView
 
 _IN_USE = 1e9  # added to the heat of blocks a chat is using now
 _AWAITED = 1e15  # added to the value of blocks an announced turn awaits (above any other value)
@@ -49,7 +50,7 @@ class _PolicyBase:
     """The signals every policy reads: the index (where blocks are, since when), the access log
     and the weight of a block's cost sensitivity."""
 
-    def __init__(self, index, log, cs_weight: float):
+    def __init__(self, index: IndexView, log, cs_weight: float):
         self.index, self.log, self.cs_weight = index, log, cs_weight
 
     def _recency(self, ids: np.ndarray) -> np.ndarray:
@@ -132,7 +133,7 @@ class PolicyName(str):
 POLICIES: dict[str, type[_PolicyBase]] = {"lru": Lru, "lfu": Lfu, "fifo": Fifo, "turns": TurnHeat}
 
 
-def policy_for(name: str, index, log, cs_weight: float) -> Policy:
+def policy_for(name: str, index: IndexView, log, cs_weight: float) -> Policy:
     """The policy called `name` (a SchedulerConfig's `policy`, or a former name of one) over this
     index and log."""
     return POLICIES[POLICY_ALIASES.get(name, name)](index, log, cs_weight)
@@ -142,7 +143,7 @@ class VictimOrder:
     """Blocks in the order a policy gives them up: least valuable first; ties by the policy's
     second key, then least recently used first; the blocks an announced turn awaits last."""
 
-    def __init__(self, policy: Policy, index, log):
+    def __init__(self, policy: Policy, index: IndexView, log):
         self.policy, self.index, self.log = policy, index, log
 
     def of(self, ids: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ from collections import deque
 from typing import Callable, Iterable
 
 from ..blocks import NUM_TIERS
+from .index_view import IndexView
 from .plan import DROPPED, Move
 from .policies import VictimOrder
 
@@ -20,7 +21,7 @@ from .policies import VictimOrder
 class Simulation:
     """Free-slot counts and per-tier victim order as the plan's moves so far would leave them."""
 
-    def __init__(self, index, free_slots: list[int], capacities: list[int],
+    def __init__(self, index: IndexView, free_slots: list[int], capacities: list[int],
                  is_movable: Callable[[int], bool], values: VictimOrder):
         self.index = index
         self.values = values
