@@ -68,7 +68,7 @@ class ColdTier(ColdTokens, DurableRecords):
         self.record_stride_bytes = fmt.record_stride_bytes(layout)
         self._header_offset = fmt.header_offset_bytes(layout)
         # the bytes of a record as this tier stores them: the model's dtype, or a compressed layout's
-        # packed bytes (uint8 `[L, layer_bytes]`; cold_compressed.py converts at the tier's edge)
+        # packed bytes (uint8 `[L, layer_bytes]`; compressed.py's CompressedColdTier converts at the tier's edge)
         self._np_dtype = np.uint8 if layout.is_compressed else _NP_DTYPES[layout.dtype_name]
         self._torch_dtype = getattr(torch, layout.dtype_name)
         no_kvikio = kvikio_unusable_reason() if backend in ("auto", "kvikio") else "cold.backend: posix"
