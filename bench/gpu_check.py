@@ -478,8 +478,10 @@ def bank_config(ctx, total_tokens: int, hot_share: float | None) -> dict:
     Watermarks 1.0 so nothing demotes below the budget (the budget is the experiment); the mover
     is off unless --decode-mover (with every variant's store open at once, idle movers would tax
     every variant's steps, DynamicCache's included)."""
+    from tiered_kv.blocks import num_blocks_for
+
     bs = ctx.sizes["block_size"]
-    blocks = -(-total_tokens // bs) + 2
+    blocks = num_blocks_for(total_tokens, bs) + 2
     full = {"high_watermark": 1.0, "low_watermark": 1.0}
     if hot_share is None:
         hot, warm = blocks, 0

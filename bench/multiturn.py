@@ -47,6 +47,7 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 import tiered_kv
+from tiered_kv.blocks import num_blocks_for
 
 PLACEMENTS = ("hot", "warm", "cold", "warm-spill", "cold-spill")
 TIERS = ("hot", "warm", "cold")
@@ -444,7 +445,7 @@ def run_benchmark(model, tokenizer, args, placements, cold_root: str) -> dict:
     conversation_tokens = (args.first_turn_tokens + (args.turns - 1) * args.tokens_per_turn
                            + args.turns * args.max_new_tokens)
     max_tokens = max(conversation_tokens, args.decode_context + args.decode_tokens + 1)
-    num_blocks = -(-max_tokens // args.block_size) + 4
+    num_blocks = num_blocks_for(max_tokens, args.block_size) + 4
     device = str(model.device)
 
     def configs_in(subdir: str) -> dict:

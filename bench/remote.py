@@ -153,7 +153,10 @@ def bank_config(args, num_blocks: int, cold_dir: str | None, remote_write: str |
 
 
 def num_blocks_for(args, tokens: int) -> int:
-    return -(-tokens // args.block_size) + 4
+    """Blocks for `tokens` tokens and 4 to spare."""
+    from tiered_kv.blocks import num_blocks_for as blocks_for
+
+    return blocks_for(tokens, args.block_size) + 4
 
 
 # ---- the phases, each in its own process --------------------------------------------------------
