@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tiered_kv  # noqa: E402
 from tiered_kv.blocks import num_blocks_for  # noqa: E402
-from tiered_kv.compression import MODES, codec, packed_layer_bytes  # noqa: E402
+from tiered_kv.compression import MODES, codec  # noqa: E402
 
 LOSSY = MODES[1:]
 DECODE_TARGET, CAPACITY_TARGETS = 0.9, {"fp8": 1.9, "int8": 1.9, "int4": 3.5}

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import math
 import os
@@ -316,7 +317,7 @@ def import_kvikio():
 
 def kvikio_settings() -> dict:
     kvikio = import_kvikio()
-    import kvikio.defaults
+    importlib.import_module("kvikio.defaults")  # the submodule read below (kvikio.defaults.get)
 
     out = {"version": kvikio.__version__, "plain_import_error": _KVIKIO_FIRST_ERROR[0] if _KVIKIO_FIRST_ERROR else None}
     for key in ("compat_mode", "num_threads", "task_size", "gds_threshold", "bounce_buffer_size"):

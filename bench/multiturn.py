@@ -254,8 +254,9 @@ def run_turns(model, maker: TurnMaker, banks: dict, args) -> list[dict]:
     reference_cache = DynamicCache(config=model.config)
     conversation = maker.next_turn(args.first_turn_tokens, first=True)
     history_tokens = 0
+    reference = None  # the last turn's reference generation: the conversation the next turn extends
     for turn in range(1, args.turns + 1):
-        if turn > 1:
+        if reference is not None:
             conversation = torch.cat([reference.out, maker.next_turn(args.tokens_per_turn, first=False)], 1)
         recompute = timed_generate(model, conversation, DynamicCache(config=model.config), 1)
         reference = timed_generate(model, conversation, reference_cache, args.max_new_tokens)

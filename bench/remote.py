@@ -236,7 +236,6 @@ def phase_decode(args, model, prefix: list[int]) -> dict:
     num_blocks = num_blocks_for(args, len(prefix) + (len(VARIANTS) * (args.decode_rounds + 1))
                                 * (tokens_per_round + args.block_size))
     bank = tiered_kv.CacheBank(model, bank_config(args, num_blocks, None, "through"))
-    banks = dict.fromkeys(VARIANTS, bank)
     vocab = model.config.vocab_size
     rows = []
 

@@ -89,7 +89,7 @@ def test_fifo_demotes_the_block_that_entered_its_tier_first_whatever_was_read_si
     sched, index = scheduler("fifo"), BlockIndex()
     first = fill(index, HOT, 1, clock=0)[0]
     index.clock = 5
-    second, third = index.add(HOT, 1), index.add(HOT, 2)
+    index.add(HOT, 1), index.add(HOT, 2)  # two blocks that arrive later
     step(sched, index, 1, [first])  # reading it does not refresh its arrival
     assert victims(sched, index, [3, 3, 0]) == [Move(first, HOT, WARM)]
 

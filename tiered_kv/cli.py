@@ -104,7 +104,7 @@ def _chat(args: argparse.Namespace) -> int:
     from . import CapacityError, ConfigError, CorruptBlockError, LayoutError, load_config
     from .config import default_config_path
     from .chat import DEFAULT_NUM_TURNS, DEFAULT_USER_MESSAGES, run_chat
-    from .errors import MetricsPortError, TraceError
+    from .errors import TraceError
     from .models import ModelNotFoundError, load_model
     from .trace import TraceRecorder
 
