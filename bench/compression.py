@@ -40,7 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tiered_kv  # noqa: E402
-from tiered_kv.compression import MODES, codec, packed_layer_bytes  # noqa: E402
+from tiered_kv.blocks import num_blocks_for  # noqa: E402
+from tiered_kv.compression import MODES, codec  # noqa: E402
 
 LOSSY = MODES[1:]
 DECODE_TARGET, CAPACITY_TARGETS = 0.9, {"fp8": 1.9, "int8": 1.9, "int4": 3.5}
@@ -87,7 +88,7 @@ def model_layout(model, block_size: int, dtype_name: str):
 def history_ids(model, tokenizer, args) -> torch.Tensor:
     if tokenizer is None:
         return torch.randint(3, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(1))
-    from tiered_kv.compression.quality import default_text
+    from tiered_kv.tools.quality import default_text
 
     return tokenizer(default_text(), return_tensors="pt").input_ids[:, :args.context]
 
@@ -138,7 +139,7 @@ def section_codec(model, args) -> dict:
 
 # ---- decode over compressed warm history ------------------------------------------------------------------
 def decode_config(args, mode: str, cold_dir: str) -> dict:
-    blocks = -(-(args.context + args.decode_steps * args.rounds + 8) // args.block_size) + 4
+    blocks = num_blocks_for(args.context + args.decode_steps * args.rounds + 8, args.block_size) + 4
     return {"block_size": args.block_size,
             "hot": {"device": "cpu", "capacity_blocks": args.hot_blocks, "high_watermark": 1.0, "low_watermark": 1.0},
             "warm": {"capacity_blocks": blocks, "compression": mode, "high_watermark": 1.0, "low_watermark": 1.0},
@@ -214,7 +215,7 @@ def restore_config(args, mode: str, directory: str, blocks: int, hot_blocks: int
 def section_restore(model, tokenizer, args, workdir: str) -> dict:
     ids = history_ids(model, tokenizer, args)
     turn = torch.randint(3, model.config.vocab_size, (1, args.turn_tokens), generator=torch.Generator().manual_seed(2))
-    blocks = -(-(ids.shape[1] + args.turn_tokens + 8) // args.block_size) + 4
+    blocks = num_blocks_for(ids.shape[1] + args.turn_tokens + 8, args.block_size) + 4
     directories, built = {}, {}
     with torch.no_grad():
         for mode in MODES:  # build: the history computed once per mode, sent down to cold, made durable

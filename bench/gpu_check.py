@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import math
 import os
@@ -316,7 +317,7 @@ def import_kvikio():
 
 def kvikio_settings() -> dict:
     kvikio = import_kvikio()
-    import kvikio.defaults
+    importlib.import_module("kvikio.defaults")  # the submodule read below (kvikio.defaults.get)
 
     out = {"version": kvikio.__version__, "plain_import_error": _KVIKIO_FIRST_ERROR[0] if _KVIKIO_FIRST_ERROR else None}
     for key in ("compat_mode", "num_threads", "task_size", "gds_threshold", "bounce_buffer_size"):
@@ -478,8 +479,10 @@ def bank_config(ctx, total_tokens: int, hot_share: float | None) -> dict:
     Watermarks 1.0 so nothing demotes below the budget (the budget is the experiment); the mover
     is off unless --decode-mover (with every variant's store open at once, idle movers would tax
     every variant's steps, DynamicCache's included)."""
+    from tiered_kv.blocks import num_blocks_for
+
     bs = ctx.sizes["block_size"]
-    blocks = -(-total_tokens // bs) + 2
+    blocks = num_blocks_for(total_tokens, bs) + 2
     full = {"high_watermark": 1.0, "low_watermark": 1.0}
     if hot_share is None:
         hot, warm = blocks, 0

@@ -39,6 +39,7 @@ from transformers import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tiered_kv  # noqa: E402
 from tiered_kv import hooks  # noqa: E402
+from tiered_kv.blocks import num_blocks_for  # noqa: E402
 
 DECODE_CASES = ("dynamic", "bank", "hooks", "split-nohooks", "split-exact", "split-merge")
 TTFT_CASES = ("ttft-dynamic", "ttft-nohooks", "ttft-hooks", "ttft-merge")
@@ -102,7 +103,7 @@ def main(argv=None) -> dict:
     with torch.no_grad():
         past = DynamicCache()
         model(history, cache=past, use_cache=True)
-    blocks = -(-(n + args.turn_tokens + args.decode_tokens + 2) // bs)
+    blocks = num_blocks_for(n + args.turn_tokens + args.decode_tokens + 2, bs)
     tmp = tempfile.mkdtemp(prefix="tkv-hooks-bench-")
     caches = {}
     for case in cases:
@@ -114,7 +115,7 @@ def main(argv=None) -> dict:
             elif case.startswith("split"):
                 sizes = (max(2, int(blocks * args.hot_share)), blocks + 8, 0)
             else:
-                low = max(2, int(-(-n // bs) * args.low_share))
+                low = max(2, int(num_blocks_for(n, bs) * args.low_share))
                 sizes = (low, low, blocks + 8)
             cfg = bank_config(blocks, *sizes, os.path.join(tmp, case), bs)
             cache = tiered_kv.CacheBank(model, cfg)

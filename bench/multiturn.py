@@ -47,6 +47,7 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 import tiered_kv
+from tiered_kv.blocks import num_blocks_for
 
 PLACEMENTS = ("hot", "warm", "cold", "warm-spill", "cold-spill")
 TIERS = ("hot", "warm", "cold")
@@ -253,8 +254,9 @@ def run_turns(model, maker: TurnMaker, banks: dict, args) -> list[dict]:
     reference_cache = DynamicCache(config=model.config)
     conversation = maker.next_turn(args.first_turn_tokens, first=True)
     history_tokens = 0
+    reference = None  # the last turn's reference generation: the conversation the next turn extends
     for turn in range(1, args.turns + 1):
-        if turn > 1:
+        if reference is not None:
             conversation = torch.cat([reference.out, maker.next_turn(args.tokens_per_turn, first=False)], 1)
         recompute = timed_generate(model, conversation, DynamicCache(config=model.config), 1)
         reference = timed_generate(model, conversation, reference_cache, args.max_new_tokens)
@@ -444,7 +446,7 @@ def run_benchmark(model, tokenizer, args, placements, cold_root: str) -> dict:
     conversation_tokens = (args.first_turn_tokens + (args.turns - 1) * args.tokens_per_turn
                            + args.turns * args.max_new_tokens)
     max_tokens = max(conversation_tokens, args.decode_context + args.decode_tokens + 1)
-    num_blocks = -(-max_tokens // args.block_size) + 4
+    num_blocks = num_blocks_for(max_tokens, args.block_size) + 4
     device = str(model.device)
 
     def configs_in(subdir: str) -> dict:

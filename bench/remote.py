@@ -153,7 +153,10 @@ def bank_config(args, num_blocks: int, cold_dir: str | None, remote_write: str |
 
 
 def num_blocks_for(args, tokens: int) -> int:
-    return -(-tokens // args.block_size) + 4
+    """Blocks for `tokens` tokens and 4 to spare."""
+    from tiered_kv.blocks import num_blocks_for as blocks_for
+
+    return blocks_for(tokens, args.block_size) + 4
 
 
 # ---- the phases, each in its own process --------------------------------------------------------
@@ -233,7 +236,6 @@ def phase_decode(args, model, prefix: list[int]) -> dict:
     num_blocks = num_blocks_for(args, len(prefix) + (len(VARIANTS) * (args.decode_rounds + 1))
                                 * (tokens_per_round + args.block_size))
     bank = tiered_kv.CacheBank(model, bank_config(args, num_blocks, None, "through"))
-    banks = dict.fromkeys(VARIANTS, bank)
     vocab = model.config.vocab_size
     rows = []
 

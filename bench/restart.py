@@ -66,6 +66,7 @@ def run_phase(args) -> dict:
 
     import tiered_kv
     from bench.multiturn import TokenTimer, TurnMaker, load
+    from tiered_kv.blocks import num_blocks_for
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -76,7 +77,7 @@ def run_phase(args) -> dict:
     device = str(model.device)
     history = maker.next_turn(args.context_tokens, first=True).to(device)
     ids = torch.cat([history, maker.next_turn(args.new_tokens, first=False).to(device)], 1)
-    num_blocks = -(-(ids.shape[1] + 1) // args.block_size) + 4  # the same cold file size in every phase
+    num_blocks = num_blocks_for(ids.shape[1] + 1, args.block_size) + 4  # the same cold file size in every phase
 
     def config(hot_blocks: int, warm_blocks: int, cold_blocks: int) -> dict:
         return {"block_size": args.block_size, "hot": {"device": device, "capacity_blocks": hot_blocks},

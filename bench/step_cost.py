@@ -40,6 +40,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tiered_kv  # noqa: E402
 from tiered_kv import hooks  # noqa: E402
+from tiered_kv.blocks import num_blocks_for  # noqa: E402
 
 HOOK_MODES = tuple(hooks.MODES)
 CASES = ("dynamic", "hot", *(f"hot-{m}" for m in HOOK_MODES), "spill", *(f"spill-{m}" for m in HOOK_MODES))
@@ -110,7 +111,7 @@ def count_step(model, cache, token) -> tuple[int, int]:
 def make_cache(case: str, model, args, cold_dir: str):
     if case == "dynamic":
         return DynamicCache(config=model.config)
-    blocks = -(-(args.context + 4 * args.steps + 8) // args.block_size)
+    blocks = num_blocks_for(args.context + 4 * args.steps + 8, args.block_size)
     hot = blocks + 8 if case.startswith("hot") else max(2, int(blocks * args.hot_share))
     cfg = {"block_size": args.block_size, "hot": {"device": "cpu", "capacity_blocks": hot},
            "warm": {"capacity_blocks": 0 if case.startswith("hot") else blocks + 8},

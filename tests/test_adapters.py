@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 import tiered_kv
 from helpers import rand_ids, tier_config, tiny_model
-from tiered_kv import identity
+from tiered_kv import identity, weights
 from tiered_kv.logs import forget_logged_once
 
 peft = pytest.importorskip("peft")
@@ -256,13 +256,13 @@ def test_merge_and_unload_changes_the_root(store):
 @pytest.fixture
 def digest_calls(monkeypatch):
     calls = []
-    real = identity.weights_digest
+    real = weights.weights_digest  # (the tracker's digest: weights.py; identity.weights_digest re-exports it)
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(identity, "weights_digest", counting)
+    monkeypatch.setattr(weights, "weights_digest", counting)
     return calls
 
 

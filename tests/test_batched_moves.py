@@ -204,7 +204,8 @@ def test_a_batch_copies_as_one_run_enters_in_plan_order_and_counts_once(warm_lay
 
 def test_a_paged_warm_slab_is_refused_beside_a_gpu_hot_tier():
     from tiered_kv.errors import ConfigError
-    from tiered_kv.tiers.warm import PagedWarmTier, WarmTier, warm_tier
+    from tiered_kv.tiers.warm import PagedWarmTier, WarmTier
+    from tiered_kv.tiers.warm_factory import warm_tier
 
     with pytest.raises(ConfigError, match="warm.layout"):
         warm_tier(LAYOUT, 4, torch.float32, False, "paged", "cuda:0")

@@ -94,7 +94,7 @@ def test_empty_dict_gives_documented_defaults():
     assert cfg.cold == ColdConfig(path=os.path.expanduser("~/.cache/tiered_kv/cold"),
                                   capacity_bytes=8 * GiB, backend="auto", fsync=True)
     assert cfg.scheduler.policy == "lfu"
-    assert ALLOWED_POLICIES == ("lru", "lfu", "fifo", "ali")
+    assert ALLOWED_POLICIES == ("lru", "lfu", "fifo", "turns")
 
 
 def test_dict_input_with_partial_sections():

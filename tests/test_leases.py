@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import re
 import threading
 import time
 

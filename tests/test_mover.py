@@ -14,7 +14,7 @@ import torch
 import tiered_kv
 from helpers import greedy, rand_ids, reference, tiny_model
 from tiered_kv.metrics.registry import BACKGROUND
-from tiered_kv.scheduler import COLD, HOT, WARM
+from tiered_kv.scheduler import HOT
 
 BLOCK = 4
 WAIT_S = 60.0

@@ -1,4 +1,4 @@
-"""Placement policies (lru, lfu, fifo, ali) and the signals behind them: exact plans on small pools.
+"""Placement policies (lru, lfu, fifo, turns) and the signals behind them: exact plans on small pools.
 
 No torch: an AccessLog records which blocks each store step read, a BlockIndex says where they
 are, and every case asserts the whole move list the MemScheduler returns.
@@ -89,7 +89,7 @@ def test_fifo_demotes_the_block_that_entered_its_tier_first_whatever_was_read_si
     sched, index = scheduler("fifo"), BlockIndex()
     first = fill(index, HOT, 1, clock=0)[0]
     index.clock = 5
-    second, third = index.add(HOT, 1), index.add(HOT, 2)
+    index.add(HOT, 1), index.add(HOT, 2)  # two blocks that arrive later
     step(sched, index, 1, [first])  # reading it does not refresh its arrival
     assert victims(sched, index, [3, 3, 0]) == [Move(first, HOT, WARM)]
 
@@ -108,17 +108,17 @@ def test_ali_forgets_reads_that_left_the_window_unlike_lfu():
     index = BlockIndex()
     a, b = fill(index, HOT, 2)
     plans = {}
-    for policy in ("lfu", "ali"):
+    for policy in ("lfu", "turns"):
         sched = scheduler(policy, window=3)
         for _ in range(5):  # a was read a lot, long ago
             sched.access_log.record_step(1, {a})
         for _ in range(3):  # b is what the last 3 steps read
             sched.access_log.record_step(2, {b})
         plans[policy] = victims(sched, index, [2, 2, 0])
-    assert plans == {"lfu": [Move(b, HOT, WARM)], "ali": [Move(a, HOT, WARM)]}
+    assert plans == {"lfu": [Move(b, HOT, WARM)], "turns": [Move(a, HOT, WARM)]}
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "ali"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "turns"])
 def test_cost_sensitivity_makes_a_premium_chat_the_last_victim(policy):
     """Same access pattern, one chat at CS 1.0, the other at 0.0: the cheap one goes first under
     every policy, though it was read more recently, more often and arrived later."""
@@ -132,7 +132,7 @@ def test_cost_sensitivity_makes_a_premium_chat_the_last_victim(policy):
     assert victims(sched, index, [4, 4, 0], num_new=2) == [Move(cheap[0], HOT, WARM), Move(cheap[1], HOT, WARM)]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "ali"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "turns"])
 def test_without_cost_sensitivity_differences_ties_fall_back_to_lru_order(policy):
     sched, index = scheduler(policy), BlockIndex()
     blocks = fill(index, HOT, 3)
@@ -170,7 +170,7 @@ def test_over_the_high_watermark_hot_demotes_by_policy_down_to_the_low_one():
     assert moves == [Move(blocks[0], HOT, WARM), Move(blocks[1], HOT, WARM), Move(blocks[2], HOT, WARM)]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "ali"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "turns"])
 def test_a_chat_whose_turn_is_announced_keeps_its_blocks_until_its_step_reads_them(policy):
     """A prefetch announces chat 0's turn while its user types. Its blocks (hot already, read
     longest ago) are what every policy would demote first; the watermark demotion and a new
@@ -217,7 +217,7 @@ def test_a_working_set_is_never_demoted_early():
 
 def test_watermark_demotion_goes_one_tier_down_even_when_ali_says_cold():
     """The next tier is the cheapest to fetch back from; cold only when warm is full."""
-    sched, index = scheduler("ali", window=10, idle_steps=0, cs_weight=0.0), BlockIndex()
+    sched, index = scheduler("turns", window=10, idle_steps=0, cs_weight=0.0), BlockIndex()
     old, busy = fill(index, HOT, 2)
     step(sched, index, 1, [old])
     for _ in range(9):
@@ -256,7 +256,7 @@ def test_idle_hot_blocks_go_to_warm_after_idle_steps_scaled_by_cs():
 def test_ali_brings_blocks_it_scores_hot_up_while_under_the_low_watermark():
     """With scheduler.ali_promote (off by default: on the replayed 16-chat trace these speculative
     moves undid prefetches and moved 2.5x lru's bytes)."""
-    sched, index = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0, ali_promote=True), BlockIndex()
+    sched, index = scheduler("turns", window=4, idle_steps=0, cs_weight=0.0, ali_promote=True), BlockIndex()
     (hot_block,) = fill(index, HOT, 1)
     index.clock = 0
     spilled = [index.add(WARM, 0), index.add(WARM, 1), index.add(COLD, 0)]
@@ -265,7 +265,7 @@ def test_ali_brings_blocks_it_scores_hot_up_while_under_the_low_watermark():
     moves = background(sched, index, [4, 4, 4], marks([3, 4, 4], [2, 4, 4]))
     # hot fills only to its low mark (2 of 4: room stays for new turns); the cold one reaches warm
     assert moves == [Move(spilled[0], WARM, HOT), Move(spilled[2], COLD, WARM)]
-    off = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0)  # the default: no speculative promotion
+    off = scheduler("turns", window=4, idle_steps=0, cs_weight=0.0)  # the default: no speculative promotion
     for _ in range(4):
         step(off, index, 1, spilled)
     assert background(off, index, [4, 4, 4], marks([3, 4, 4], [2, 4, 4])) == []
@@ -284,7 +284,7 @@ def test_background_plans_respect_max_moves_and_pins():
 # --- bad settings -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("section, key, value, allowed", [
-    ("scheduler", "policy", "mru", "'lru', 'lfu', 'fifo' or 'ali'"),
+    ("scheduler", "policy", "mru", "'lru', 'lfu', 'fifo' or 'turns'"),
     ("scheduler", "ali_hot", 1.2, "a number from 0 to 1"),
     ("scheduler", "bs_threshold", -0.1, "a number from 0 to 1"),
     ("scheduler", "cs_weight", "high", "a number from 0 to 1"),
@@ -312,7 +312,7 @@ def test_ali_warm_above_ali_hot_is_refused():
 
 
 def test_target_tiers_follow_the_ali_thresholds():
-    sched = scheduler("ali", window=10, cs_weight=0.0)
+    sched = scheduler("turns", window=10, cs_weight=0.0)
     sched.access_log.record_step(1, {0, 1})
     for _ in range(7):
         sched.access_log.record_step(1, {0})
@@ -334,7 +334,21 @@ def test_a_chats_newest_block_scores_like_its_oldest():
     assert log.ali([0, 1, 2]).tolist() == pytest.approx([1.0, 1.0, 1.0])
 
 
-# --- ali: turn heat, and which predictor it follows (issue 22) ---------------------------------------
+# --- turns: turn heat, and which predictor it follows (issue 22) -------------------------------------
+
+def test_ali_is_accepted_as_the_former_name_of_turns_and_plans_alike():
+    config = load_config({"scheduler": {"policy": "ali"}})
+    assert config.scheduler == SchedulerConfig(policy="turns") and config.scheduler.policy == "turns"
+    assert load_config(config.to_dict()) == config
+    plans = {}
+    for name in ("ali", "turns"):
+        sched, index = scheduler(name, window=4, idle_steps=0, cs_weight=0.0), BlockIndex()
+        blocks = fill(index, HOT, 4)
+        for owner in (0, 1, 0, 2, 0, 3, 1):  # chat 0 is the hottest
+            turn(sched.access_log, owner, [blocks[owner]])
+        plans[name] = victims(sched, index, [4, 4, 0], num_new=2)
+    assert plans["ali"] == plans["turns"] and blocks[0] not in [m.block_id for m in plans["turns"]]
+
 
 def turn(log: AccessLog, owner: int, block_ids, decode_steps: int = 0) -> None:
     """One turn of chat `owner`: a prefill step, then `decode_steps` one-token steps."""
@@ -371,11 +385,11 @@ def _skewed_and_bursty(policy_log: AccessLog, pattern: list[int]) -> None:
 
 def test_ali_follows_heat_where_popular_chats_keep_chatting_and_recency_where_they_leave():
     # skew: chat 0 speaks every other turn between one-off chats -> heat predicts better
-    skew = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
+    skew = scheduler("turns", window=4, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
     _skewed_and_bursty(skew.access_log, [0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8])
     assert skew.access_log.heat_predicts_better
     # bursts: each chat speaks a few times, then leaves for good -> recency predicts better
-    bursts = scheduler("ali", window=4, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
+    bursts = scheduler("turns", window=4, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
     _skewed_and_bursty(bursts.access_log, [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4 + [5] * 4)
     assert not bursts.access_log.heat_predicts_better
     # a full hot tier of 3: a block chat 0 (popular under skew) read longest ago, then a block of a
@@ -414,7 +428,7 @@ def test_ali_keeps_a_chat_mid_turn_when_more_chats_step_than_a_quarter_window():
     """Six chats decode round-robin (each reads its blocks every 6th step, beyond a quarter of the
     8-step window): the new one among them keeps its block; the popular chat that went idle is
     the victim, though its heat is higher."""
-    sched = scheduler("ali", window=8, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
+    sched = scheduler("turns", window=8, idle_steps=0, cs_weight=0.0, half_life_turns=8.0)
     log, index = sched.access_log, BlockIndex()
     popular = index.add(HOT, 0)
     for owner in [0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7]:

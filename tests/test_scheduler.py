@@ -266,8 +266,12 @@ def test_promotion_with_warm_disabled_goes_straight_to_hot():
 # --- policy ----------------------------------------------------------------------------------
 
 def test_allowed_policies():
-    assert ALLOWED_POLICIES == ("lru", "lfu", "fifo", "ali")
+    assert ALLOWED_POLICIES == ("lru", "lfu", "fifo", "turns")
     assert MemScheduler().policy == "lru"
+
+
+def test_ali_is_the_former_name_of_the_turns_policy():
+    assert MemScheduler("ali").policy == MemScheduler("turns").policy == "turns"
 
 
 @pytest.mark.parametrize("policy", ["lfru", "", "LRU"])

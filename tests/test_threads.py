@@ -176,7 +176,7 @@ def test_many_chats_from_many_threads_on_one_store(seed, tmp_path):
     _stress("model", seed, tmp_path)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "ali"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "turns"])
 def test_every_policy_with_the_mover_and_prefetch_from_many_threads(policy, tmp_path):
     """Issue 7: greedy tokens equal DynamicCache's under every policy, chats driven from 4 threads
     while the background mover prefetches, demotes past the watermarks and compacts."""

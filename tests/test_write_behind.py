@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import sqlite3
 import time
 import traceback
 
@@ -25,7 +24,7 @@ import torch
 import tiered_kv
 from helpers import BLOCK_SIZE, greedy, tier_config, tiny_model
 from test_crash_recovery import TURNS, Conversation, check_reattach
-from tiered_kv.blocks import COLD, HOT, WARM
+from tiered_kv.blocks import COLD, HOT
 from tiered_kv.hw import block_io
 
 WRITE_BEHIND_S = 0.2

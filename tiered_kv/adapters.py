@@ -9,12 +9,13 @@ module reads them off the model:
 - `runtime_model(model)`: the module whose forward actually runs. A `PeftModel` wrapper's
   `generate` calls its inner transformers model's, so a bank watches (and hooks patch) that one.
 - `all_tensors(model, runtime)`: every parameter and buffer, in one walk (a version token's input).
-- `AdapterScan(model, runtime)`: the tuner layers of the runtime model and, for a PeftModel,
-  its prompt-learning adapter; `base_named()` the base weights by name; `state_token()` what must
-  stay equal for the acting weights to stay the same (active / disabled / merged flags and LoRA
-  scalings: O(tuner layers) host reads), `quick_token()` the O(1) part of it a decode step checks
-  (the flags of one layer: peft sets them on every layer at once); `acting()` says which adapter
-  acts in which layer, `tensors_of(name)` and `settings_of(name)` what an adapter's digest covers.
+- `AdapterScan(model, runtime)`: the tuner layers of the runtime model (each a `TunerLayer`:
+  tuner_layers.py) and, for a PeftModel, its prompt-learning adapter; `base_named()` the base
+  weights by name; `state_token()` what must stay equal for the acting weights to stay the same
+  (active / disabled / merged flags and LoRA scalings: O(tuner layers) host reads), `quick_token()`
+  the O(1) part of it a decode step checks (the flags of one layer: peft sets them on every layer at
+  once); `acting()` says which adapter acts in which layer, `tensors_of(name)` and
+  `settings_of(name)` what an adapter's digest covers.
 
 Known tuners are those whose whole adapter state is in `adapter_layer_names` /
 `other_param_names` / per-adapter dicts of the layer: LoRA (and its variants: DoRA, rsLoRA,
@@ -29,6 +30,8 @@ import weakref
 
 import torch
 
+from .tuner_layers import TunerLayer, as_names
+
 # tuner layer classes defined in these peft modules keep all of an adapter's state where the scan looks
 KNOWN_TUNER_MODULES = ("peft.tuners.lora.", "peft.tuners.adalora.", "peft.tuners.ia3.", "peft.tuners.loha.",
                        "peft.tuners.lokr.")
@@ -37,7 +40,6 @@ PROMPT_LEARNING_TYPES = frozenset({"PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING"}
 # names in a parameter's path that a tuner adds around the base weight (stripped, so a plain
 # model and the same weights under a disabled adapter name their tensors alike)
 WRAPPER_SEGMENTS = frozenset({"base_layer", "original_module"})
-_NOT_SETTINGS = frozenset({"training", "scaling"})
 
 
 def is_peft_wrapper(model) -> bool:
@@ -67,111 +69,6 @@ def _class_names(module) -> set[str]:
 def _peft_type(config) -> str:
     peft_type = getattr(config, "peft_type", None)
     return str(getattr(peft_type, "value", peft_type))
-
-
-def _as_names(active) -> tuple[str, ...]:
-    if active is None:
-        return ()
-    return (active,) if isinstance(active, str) else tuple(active)
-
-
-class TunerLayer:
-    """One tuner layer (or modules_to_save wrapper) of the runtime model."""
-
-    __slots__ = ("path", "module", "is_wrapper", "containers")
-
-    def __init__(self, path: str, module, is_wrapper: bool):
-        self.path = path
-        self.module = module
-        self.is_wrapper = is_wrapper  # peft's ModulesToSaveWrapper: an adapter's own copy of a module
-        names = ("modules_to_save",) if is_wrapper else \
-            tuple(getattr(module, "adapter_layer_names", ())) + tuple(getattr(module, "other_param_names", ()))
-        self.containers = names
-
-    def state(self) -> tuple:
-        """What decides what this layer computes, besides its tensors' contents (those have versions)."""
-        module = self.module
-        scaling = getattr(module, "scaling", None)
-        return (_as_names(getattr(module, "_active_adapter", None)), bool(getattr(module, "_disable_adapters", False)),
-                tuple(getattr(module, "merged_adapters", ())),
-                tuple(scaling.items()) if isinstance(scaling, dict) else None)
-
-    def holds(self, name: str) -> bool:
-        """Whether this layer has weights of adapter `name`."""
-        module = self.module
-        for attr in self.containers:
-            container = getattr(module, attr, None)
-            if isinstance(container, (torch.nn.ModuleDict, torch.nn.ParameterDict)) and name in container:
-                return True
-            if isinstance(container, dict) and isinstance(container.get(name), (torch.Tensor, torch.nn.Module)):
-                return True
-        return False
-
-    def acting(self) -> tuple[str, ...]:
-        """The adapters applied in this layer's forward now (merged ones act through the base weights)."""
-        module = self.module
-        active = _as_names(getattr(module, "_active_adapter", None))
-        if getattr(module, "_disable_adapters", False) or getattr(module, "merged_adapters", None):
-            return ()
-        if self.is_wrapper:  # the first active adapter's copy, if the wrapper holds every active one
-            return active[:1] if active and all(self.holds(name) for name in active) else ()
-        return tuple(name for name in active if self.holds(name))
-
-    def unmerges_at_forward(self) -> bool:
-        """Disabled with adapters merged: peft unmerges them in the next forward (the base weights
-        change under that very step)."""
-        module = self.module
-        return bool(getattr(module, "_disable_adapters", False) and getattr(module, "merged_adapters", None))
-
-    def scaling_of(self, name: str):
-        scaling = getattr(self.module, "scaling", None)
-        return scaling.get(name) if isinstance(scaling, dict) else None
-
-    def tensors_of(self, name: str) -> list[tuple[str, torch.Tensor]]:
-        """Adapter `name`'s tensors in this layer, by path."""
-        out = []
-        for attr in self.containers:
-            container = getattr(self.module, attr, None)
-            if not hasattr(container, "keys") or name not in container.keys():
-                continue
-            value = container[name]
-            prefix = f"{self.path}.{attr}.{name}"
-            if isinstance(value, torch.Tensor):
-                out.append((prefix, value))
-            elif isinstance(value, torch.nn.Module):
-                out += [(f"{prefix}.{n}", t) for n, t in value.named_parameters()]
-                out += [(f"{prefix}.{n}", t) for n, t in value.named_buffers()]
-        return out
-
-    def settings_of(self, name: str) -> list[str]:
-        """Adapter `name`'s other settings in this layer (rank, alpha, scaling, dropout, DoRA...) and
-        the layer's own (fan_in_fan_out, ...), as text."""
-        module = self.module
-        out = [f"{self.path}|{type(module).__module__}.{type(module).__qualname__}"]
-        for attr, value in sorted(vars(module).items()):
-            if attr.startswith("_") or attr in _NOT_SETTINGS:  # (scaling: scaling_of, read at every recompute)
-                continue
-            if isinstance(value, dict) and name in value:
-                out.append(f"{attr}[{name}]={_setting_text(value[name])}")
-            elif value is None or isinstance(value, (bool, int, float, str)):
-                out.append(f"{attr}={value!r}")
-        for attr in self.containers:
-            container = getattr(module, attr, None)
-            if isinstance(container, torch.nn.ModuleDict) and name in container:
-                out.append(f"{attr}[{name}]={_setting_text(container[name])}")
-        return out
-
-
-def _setting_text(value) -> str:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    if isinstance(value, torch.Tensor):
-        return f"tensor{tuple(value.shape)}"  # its values are sampled with the adapter's tensors
-    if isinstance(value, torch.nn.Module):  # e.g. dropout: its class and settings
-        return f"{type(value).__qualname__}({value.extra_repr()})"
-    if isinstance(value, (tuple, list)):
-        return "[" + ",".join(_setting_text(v) for v in value) + "]"
-    return f"{type(value).__module__}.{type(value).__qualname__}"  # e.g. a LoRA variant (stateless)
 
 
 def all_tensors(model, runtime) -> list[torch.Tensor]:
@@ -264,7 +161,7 @@ class AdapterScan:
         wrapper = self.wrapper
         if wrapper is None:
             return None
-        return _as_names(getattr(wrapper, "active_adapter", None)), bool(getattr(wrapper, "_adapters_disabled", False))
+        return as_names(getattr(wrapper, "active_adapter", None)), bool(getattr(wrapper, "_adapters_disabled", False))
 
     def state_token(self) -> tuple:
         """O(tuner layers) host reads; equal tokens (and equal tensor versions) mean equal acting weights."""
@@ -275,7 +172,7 @@ class AdapterScan:
         if not self._sampled:
             return self._wrapper_state()
         return self._wrapper_state(), tuple(
-            (_as_names(getattr(m, "_active_adapter", None)), getattr(m, "_disable_adapters", False),
+            (as_names(getattr(m, "_active_adapter", None)), getattr(m, "_disable_adapters", False),
              tuple(getattr(m, "merged_adapters", ()))) for m in (layer.module for layer in self._sampled))
 
     # ---- what acts -----------------------------------------------------------------------------
@@ -284,7 +181,7 @@ class AdapterScan:
         wrapper = self.wrapper
         if wrapper is None or getattr(wrapper, "_adapters_disabled", False):
             return None
-        names = _as_names(getattr(wrapper, "active_adapter", None))
+        names = as_names(getattr(wrapper, "active_adapter", None))
         config = self.configs.get(names[0]) if names else None
         return names[0] if config is not None and getattr(config, "is_prompt_learning", False) else None
 
@@ -312,7 +209,7 @@ class AdapterScan:
         prompt = self.prompt_adapter()
         # a PeftModel's active adapter counts even where no layer shows it (adaption prompt, ...)
         wrapper = self.wrapper
-        active = set(_as_names(getattr(wrapper, "active_adapter", None))) \
+        active = set(as_names(getattr(wrapper, "active_adapter", None))) \
             if wrapper is not None and not getattr(wrapper, "_adapters_disabled", False) else set()
         for name in sorted(names | active):
             if problem is not None:
@@ -324,7 +221,7 @@ class AdapterScan:
             for layer in self.layers:
                 if getattr(layer.module, "_disable_adapters", False) or getattr(layer.module, "merged_adapters", None):
                     continue
-                missing = [n for n in _as_names(getattr(layer.module, "_active_adapter", None)) if n not in names]
+                missing = [n for n in as_names(getattr(layer.module, "_active_adapter", None)) if n not in names]
                 missing = [n for n in missing if not any(other.holds(n) for other in self.layers)]
                 if missing:
                     problem = f"adapter {missing[0]!r} is active but no layer of the model holds its weights"

@@ -45,13 +45,6 @@ def tier_counts(placements) -> dict[int, int]:
     return counts
 
 
-def block_span(start_token: int, end_token: int, block_size: int) -> range:
-    """Block indices (positions in a block table) touched by tokens [start_token, end_token)."""
-    if end_token <= start_token:
-        return range(0)
-    return range(start_token // block_size, (end_token - 1) // block_size + 1)
-
-
 @dataclass(frozen=True)
 class KVLayout:
     """Shape of the KV cache the store serves: fixed for the store's lifetime once bound."""

@@ -198,7 +198,7 @@ class CacheBank(Cache):
         self.steps.rows_changed()
         self.store.release(dropped)
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # (transformers' name for truncate(0))
         self.truncate(0)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -231,13 +231,11 @@ class CacheBank(Cache):
         return session.attach(self, ids)
 
     def prefetch(self, deadline_s: float | None = None) -> None:
-        """Bring this chat's blocks up the tiers ahead of its next turn (call it when the user
-        starts typing); returns at once (session.prefetch)."""
+        """Bring this chat's blocks up ahead of its next turn; returns at once (session.prefetch)."""
         session.prefetch(self, deadline_s)
 
     def offload(self, tier: str = "warm") -> dict:
-        """Move this idle chat's blocks down to `tier` ("warm" or "cold"); returns
-        stats()["bank_blocks"] afterwards (session.offload)."""
+        """Move this idle chat's blocks down to `tier` ("warm" or "cold") (session.offload)."""
         return session.offload(self, tier)
 
     def promote_rows(self, rows) -> None:  # (compiled.py: a chat's blocks up, before a graph reads them)
@@ -321,9 +319,8 @@ class CacheBank(Cache):
         return f"CacheBank(rows={len(self.seq.rows)}, tokens={self.seq.num_tokens}, block_size={self.config.block_size})"
 
     def stats(self) -> dict:
-        """Store-wide tier use, hits, misses and bytes moved, plus this bank's blocks per tier
-        and length. A step this thread opened and never finished (a config-only bank has no
-        hook to see its forward fail) is rolled back first, so the figures are committed ones."""
+        """Store-wide tier use, hits, misses and bytes moved, plus this bank's blocks per tier and
+        length (a step this thread left open, or a compiled one, is settled first: committed figures)."""
         self.check_open()
         steps = self.steps
         if steps.step is not None and steps.step.compiled:

@@ -22,8 +22,9 @@ from the minimum to the maximum. Values per token beat values per channel on Smo
 agreement 99.8% against 99.2% with int8; bench/compression.py measures both). `tiered-kv quality`
 measures what a mode costs a model (README: the bundled model's figures).
 
-This module (no torch) has the modes and sizes; codec.py packs and unpacks (vectorized torch, CPU
-or CUDA, no per-token Python); quality.py measures what a mode costs a model.
+This module (no torch) has the modes and sizes; packing.py packs and unpacks (vectorized torch, CPU
+or CUDA, no per-token Python: the native kernel's reference); codec.py is what the tiers call (it
+decodes with the native kernel on a GPU). tools/quality.py measures what a mode costs a model.
 """
 
 from __future__ import annotations

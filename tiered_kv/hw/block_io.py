@@ -1,9 +1,11 @@
 """File I/O for the cold tier: whole records and byte ranges at offsets of one preallocated file.
 
 PosixBlockIO uses os.preadv / os.pwritev straight into caller-owned buffers (the fastest Python
-path measured here). KvikioBlockIO (GPU extra) reads and writes device buffers through
-GPUDirect Storage; it needs libcuda even in compat mode, so it is chosen only when CUDA and
-kvikio are both present. Same methods either way.
+path measured here). KvikioBlockIO (GPU extra; cold.backend kvikio, or auto when CUDA and kvikio
+are both present: kvikio needs libcuda even in compat mode) opens the file through kvikio too, but
+reads and writes as PosixBlockIO does, into host buffers: the cold tier checks every slice's XXH3
+on the host, so a read straight into device memory (GPUDirect Storage) would need a device-side
+checksum first (README, "Not yet"). Same methods either way.
 
 A read that finds fewer bytes than asked (a truncated file) raises ShortReadError, an OSError
 like any other read failure; the cold tier turns both into CorruptBlockError for the slot.
@@ -109,7 +111,8 @@ class PosixBlockIO:
 
 
 class KvikioBlockIO(PosixBlockIO):
-    """Host buffers go through POSIX as above; device (torch cuda) buffers through kvikio.
+    """PosixBlockIO with the file also opened as a kvikio CuFile (so a kvikio that cannot open it
+    fails at start); every read and write is PosixBlockIO's, into host buffers (module docstring).
 
     kvikio opens files by path; it is given /proc/self/fd/<fd>, which reopens the very file behind
     our fd, so it never follows a name that may have been replaced since we checked it."""
@@ -122,22 +125,6 @@ class KvikioBlockIO(PosixBlockIO):
 
         self._kvikio = kvikio
         self._file = kvikio.CuFile(f"/proc/self/fd/{fd}", "r+")
-
-    def read_into_device(self, tensor, offset_bytes: int) -> None:
-        import cupy
-
-        array = cupy.asarray(tensor.view(-1).view(dtype=__import__("torch").uint8))
-        nbytes = self._file.pread(array, array.nbytes, offset_bytes).get()
-        if nbytes != array.nbytes:
-            raise OSError(f"kvikio short read at offset {offset_bytes}: {nbytes} of {array.nbytes} bytes")
-
-    def write_from_device(self, tensor, offset_bytes: int) -> None:
-        import cupy
-
-        array = cupy.asarray(tensor.contiguous().view(-1).view(dtype=__import__("torch").uint8))
-        nbytes = self._file.pwrite(array, array.nbytes, offset_bytes).get()
-        if nbytes != array.nbytes:
-            raise OSError(f"kvikio short write at offset {offset_bytes}: {nbytes} of {array.nbytes} bytes")
 
     def close(self) -> None:
         self._file.close()

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from ..compression import packed_layer_bytes
 from ..errors import LayoutError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -223,8 +224,6 @@ def check_dequant(dst, src, slots, mode: str, *, require_cuda: bool = False) -> 
     strides even), on dst's device or pinned host memory; slots: None (dst[i] for i < n, so N >= n)
     or int32 [n] contiguous on dst's device.
     """
-    from ..compression import packed_layer_bytes
-
     op = "dequant_blocks"
     if mode not in DEQUANT_MODES:
         raise LayoutError(f"{op}: `mode` must be one of {', '.join(map(repr, DEQUANT_MODES))}; got {mode!r}")

@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..blocks import num_blocks_for
 from ..errors import LayoutError
 from . import contracts, reference
 from .sources import KERNEL_FILES, read_source
@@ -135,7 +136,7 @@ def decode_partitions(max_tokens: int, block_size: int, row_ctas: int, sm_count:
     bounds the workspace). Partition sizes are multiples of block_size.
     """
     if forced is not None:
-        size = -(-max(int(forced), 1) // block_size) * block_size
+        size = num_blocks_for(max(int(forced), 1), block_size) * block_size
     elif max_tokens <= max(PARTITION_MIN_TOKENS, block_size):
         return max(max_tokens, block_size), 1
     else:

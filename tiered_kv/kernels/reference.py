@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from ..compression.packing import decode_torch
 from ..errors import LayoutError
 from . import contracts
 
@@ -117,15 +118,13 @@ def _slot_indices(op: str, name: str, slots: torch.Tensor, num_slots: int, devic
 
 
 def dequant_blocks(dst: torch.Tensor, src: torch.Tensor, slots, mode: str) -> None:
-    """dst[slots[i]] (or dst[i]) = the packed slices src[i] decoded (compression/codec.py)."""
-    from ..compression import codec
-
+    """dst[slots[i]] (or dst[i]) = the packed slices src[i] decoded (compression/packing.py)."""
     contracts.check_dequant(dst, src, slots, mode)
     src = src.to(dst.device)
     if slots is None:
-        codec.decode_torch(src, mode, dst[:src.shape[0]])
+        decode_torch(src, mode, dst[:src.shape[0]])
         return
     indices = _slot_indices("dequant_blocks", "dst", slots, dst.shape[0], dst.device)
     decoded = torch.empty((src.shape[0], *dst.shape[1:]), dtype=dst.dtype, device=dst.device)
-    codec.decode_torch(src, mode, decoded)
+    decode_torch(src, mode, decoded)
     dst.index_copy_(0, indices, decoded)

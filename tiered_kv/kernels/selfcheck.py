@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from ..compression import MODES
+from ..compression.packing import encode
 from . import reference
 from .backend import get_ops
 from .cases import TIERS, build_decode_case, make_sources
@@ -109,13 +111,11 @@ def _check_copies(report: dict, ops, dtype, block_size: int, head_dim: int, devi
 def _check_dequant(report: dict, ops, dtype, block_size: int, head_dim: int, device, seed: int) -> None:
     """Each compression mode's packed blocks expanded into a hot slab's slots, against the reference
     (both compute the same float32 products, so the error should be exactly 0)."""
-    from ..compression import MODES, codec
-
     gen = torch.Generator().manual_seed(seed)
     num_slots, count, layers, heads = 9, 4, 2, 2
     slots = torch.randperm(num_slots, generator=gen)[:count].to(torch.int32).to(device)
     for mode in MODES[1:]:
-        packed = codec.encode(torch.randn(count, layers, 2, heads, block_size, head_dim, generator=gen) * 4, mode)
+        packed = encode(torch.randn(count, layers, 2, heads, block_size, head_dim, generator=gen) * 4, mode)
         results = []
         for run in (ops.dequant_blocks, reference.dequant_blocks):
             slab = torch.zeros(layers, 2, heads, num_slots * block_size, head_dim, dtype=dtype, device=device)

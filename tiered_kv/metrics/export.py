@@ -14,8 +14,8 @@ import threading
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from ..blocks import TIER_NAMES
 from ..errors import MetricsPortError
-from ..scheduler.plan import TIER_NAMES
 from .registry import Counter, Histogram, Metrics
 from .stores import live_stores
 

@@ -15,7 +15,7 @@ reused once the store removes the block: `follow(index)`, `forget_blocks`; acces
   cost_sensitivity the highest CS among the chats that read it since it last went a whole
                    window unread (a shared prefix keeps its premium reader's CS); `default_cs`
                    for blocks nobody read yet
-  heat             (the `ali` policy) the highest *turn heat* among the chats that read it: a
+  heat             (the `turns` policy) the highest *turn heat* among the chats that read it: a
                    chat's heat is its count of turns, each decaying by half every
                    `half_life_turns` turns of the whole store (LRFU at chat granularity, in turns,
                    not steps: a long reply does not make its chat come back sooner). A chat's
@@ -88,7 +88,7 @@ class AccessLog:
         self.now = 0  # store steps recorded so far
         self.turns = 0  # turns begun so far (steps with new_turn, or announced by prefetch / attach)
         # how badly each predictor ranked the chats that then took a turn (EWMA of the share of
-        # other chats ranked above the speaker): `ali` follows the better one
+        # other chats ranked above the speaker): `turns` follows the better one
         self.heat_miss = 0.5
         self.recency_miss = 0.5
         self.chats: dict[int, ChatRecord] = {}
@@ -306,7 +306,7 @@ class AccessLog:
     @property
     def heat_predicts_better(self) -> bool:
         """Whether turn heat has ranked the chats that then spoke above the others better than
-        recency has, lately (`ali` then orders victims by heat first, else by recency first)."""
+        recency has, lately (`turns` then orders victims by heat first, else by recency first)."""
         return self.heat_miss < self.recency_miss
 
     @property

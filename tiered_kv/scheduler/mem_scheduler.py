@@ -1,263 +1,82 @@
 """MemScheduler: decides where blocks go and returns a Plan. Ids only, no torch.
 
-It reads the BlockIndex (tiers, recency orders, references), the AccessLog (which store steps
-read which blocks) and the free slot count of each tier, simulates the moves, and returns a Plan
-the TierStore applies as a unit under the same lock. Nothing is applied when a plan is
-infeasible (None is returned), so a request that cannot fit leaves the store untouched.
+It reads the store's BlockIndex through an IndexView (index_view.py: tiers, recency orders, references), the AccessLog (which store steps
+read which blocks) and the free slot count of each tier, simulates the moves (simulation.py), and
+returns a Plan the TierStore applies as a unit under the same lock. Nothing is applied when a plan
+is infeasible (None is returned), so a request that cannot fit leaves the store untouched.
 
-Victims. When a tier is full, its movable block of least *value* moves one tier down (a block
-arriving in a tier counts as the most recent there); where nothing can go down, the least
-valuable unreferenced block of the tier is dropped. A block's value under each policy:
+Victims. When a tier is full, its movable block of least *value* under the policy (policies.py:
+lru, lfu, fifo, turns) moves one tier down (a block arriving in a tier counts as the most recent
+there); where nothing can go down, the least valuable unreferenced block of the tier is dropped.
+Above every value: the blocks of a chat whose turn was announced (prefetch, attach) and has not
+read them yet, under every policy. Blocks the caller protects and blocks pinned by a running step
+(or in flight in a background move) are never moved.
 
-  lru   the last store step that read it or brought it into its tier
-  fifo  the store step it entered its current tier
-  lfu   how many store steps read it, each read halved every `lfu_half_life_turns` store turns
-  ali   the turn heat of the hottest chat that read it (access_log.py: decayed turn counts),
-        blocks read in the last quarter of the ALI window above any heat, while heat has
-        predicted the next speaker better than recency; else lru's value. The other key breaks
-        ties (recency under heat, heat under recency)
-
-plus a cost-sensitivity bonus of `cs_weight * CS` (in the policy's own unit: `* ali_window` for
-the step-valued ones), so a high-CS chat's blocks go last and a low-CS chat's first. Ties keep
-least-recently-used order. Above every value: the blocks of a chat whose turn was announced
-(prefetch, attach) and has not read them yet, under every policy.
-Blocks the caller protects and blocks pinned by a running step (or in flight in a background
-move) are never moved.
-
-Background plans (`plan_background`, carried out by the store's mover off the critical path):
-demote by policy when a tier is fuller than its high watermark, down to its low one; demote
-chats idle for `idle_steps`; under `ali` with `ali_promote`, bring blocks whose ALI says hot
-(> ali_hot) or warm (> ali_warm) up while the tier is under its low watermark.
+Background plans (`plan_background`, carried out by the store's mover off the critical path;
+background.py): demote by policy when a tier is fuller than its high watermark, down to its low
+one; demote chats idle for `idle_steps`; under `turns` with `ali_promote`, bring blocks whose ALI
+says hot (> ali_hot) or warm (> ali_warm) up while the tier is under its low watermark.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import numpy as np
 
-from ..block_index import BlockIndex
-from ..blocks import NUM_TIERS
-from ..config import ALLOWED_POLICIES, SchedulerConfig
+from ..config import ALLOWED_POLICIES, POLICY_ALIASES, SchedulerConfig
+from . import background
 from .access_log import AccessLog
-from .plan import COLD, DROPPED, HOT, WARM, Move, Plan
+from .background import Locality, Watermarks
+from .index_view import IndexView
+from .plan import COLD, DROPPED, HOT, WARM, Plan
+from .policies import PolicyName, VictimOrder, policy_for
+from .simulation import Simulation, movable_test
 
-
-_IN_USE = 1e9  # added to the heat of blocks a chat is using now
-_AWAITED = 1e15  # added to the value of blocks an announced turn awaits (above any other value)
-_NEVER_READ = -1e9  # the heat value of a block no turn touched yet (below any real one; exact + CS bonus)
-
-
-@dataclass(frozen=True)
-class Watermarks:
-    """Per tier, in blocks: above `high` the mover demotes down to `low`."""
-
-    high_blocks: tuple[int, int, int]
-    low_blocks: tuple[int, int, int]
-
-
-class _Values:
-    """A policy's value of blocks (higher = keep), computed from the index and the access log."""
-
-    def __init__(self, scheduler: "MemScheduler", index: BlockIndex):
-        self.scheduler, self.index, self.log = scheduler, index, scheduler.access_log
-
-    def of(self, ids: np.ndarray) -> np.ndarray:
-        """Each block's value (primary key; `order` breaks its ties by `tiebreak`); the blocks an
-        announced turn awaits above all others."""
-        value = self._policy_value(ids)
-        return np.where(self.log.awaited(ids), value + _AWAITED, value)
-
-    def _policy_value(self, ids: np.ndarray) -> np.ndarray:
-        policy, log, window = self.scheduler.policy, self.log, self.log.window_steps
-        if policy == "ali" and log.heat_predicts_better:
-            return self._heat(ids) + self.scheduler.cs_weight * log.cost_sensitivity(ids)
-        if policy in ("lru", "ali"):  # ali while recency predicts turns better: LRU, ties by heat
-            base = np.maximum(log.last_read_step(ids), np.asarray(self.index.arrival_steps(ids), dtype=np.int64))
-        elif policy == "fifo":
-            base = np.asarray(self.index.arrival_steps(ids), dtype=np.int64)
-        else:  # lfu
-            base = log.num_reads(ids)
-        return base + self.scheduler.cs_weight * window * log.cost_sensitivity(ids)
-
-    def tiebreak(self, ids: np.ndarray) -> np.ndarray | None:
-        """ali's second key: heat under recency and recency under heat; None: recency order."""
-        if self.scheduler.policy != "ali":
-            return None
-        log = self.log
-        if log.heat_predicts_better:
-            return np.maximum(log.last_read_step(ids), np.asarray(self.index.arrival_steps(ids), dtype=np.int64))
-        return self._heat(ids)
-
-    def _heat(self, ids: np.ndarray) -> np.ndarray:
-        """Turn heat, and above every heat the blocks a chat is using now: read within the last
-        quarter of the ALI window, or within two rounds of the chats stepping now when more of
-        them take turns (each then steps once per round): a chat mid-turn keeps its blocks
-        whatever its heat."""
-        log = self.log
-        heat = log.heat(ids)
-        heat = np.where(np.isfinite(heat), heat, _NEVER_READ)
-        span = max(1, log.window_steps // 4, 2 * log.active_chats)
-        last = log.last_read_step(ids)
-        in_use = (last >= 0) & (last >= log.now - span)
-        return np.where(in_use, heat + _IN_USE, heat)
-
-    def _sorted(self, ids: np.ndarray) -> list[int]:
-        second = self.tiebreak(ids)
-        if second is None:
-            return ids[np.argsort(self.of(ids), kind="stable")].tolist()
-        return ids[np.lexsort((second, self.of(ids)))].tolist()  # (lexsort is stable: recency order last)
-
-    def order(self, tier: int) -> list[int]:
-        """Blocks of `tier`, least valuable first (ties: least recently used first)."""
-        ids = np.fromiter(self.index.recency(tier), dtype=np.int64, count=self.index.count_in(tier))
-        if not len(ids):
-            return []
-        return self._sorted(ids)
-
-    def unreferenced_order(self, tier: int) -> list[int]:
-        ids = np.fromiter(self.index.unreferenced(tier), dtype=np.int64)
-        if not len(ids):
-            return []
-        return self._sorted(ids)
-
-
-class _Simulation:
-    """Free-slot counts and per-tier victim order as the plan's moves so far would leave them."""
-
-    def __init__(self, index: BlockIndex, free_slots: list[int], capacities: list[int],
-                 is_movable: Callable[[int], bool], values: _Values):
-        self.index = index
-        self.values = values
-        self.free = list(free_slots)
-        self.capacities = capacities
-        self.is_movable = is_movable
-        self.moves: list[Move] = []
-        self.tier_of: dict[int, int] = {}  # blocks this plan moved, and where to
-        # victim orders, computed the first time a tier needs a victim (most plans need none)
-        self._originals: list[Iterable[int] | None] = [None] * NUM_TIERS
-        self._peeked: list[int | None] = [None] * NUM_TIERS
-        self._arrived = [deque() for _ in range(NUM_TIERS)]  # moved in by this plan, oldest first
-        self._droppable: list[Iterable[int] | None] = [None] * NUM_TIERS
-
-    def tier(self, block_id: int) -> int:
-        tier = self.tier_of.get(block_id)
-        if tier is not None:
-            return tier
-        entry = self.index.peek(block_id)
-        return entry.tier if entry is not None else DROPPED
-
-    def _still_here(self, block_id: int, tier: int) -> bool:
-        return self.tier(block_id) == tier and self.is_movable(block_id)
-
-    def _victim(self, tier: int) -> int | None:
-        """The least valuable movable block now in `tier` (not consumed)."""
-        peeked = self._peeked[tier]
-        if peeked is not None and self._still_here(peeked, tier):
-            return peeked
-        if self._originals[tier] is None:
-            self._originals[tier] = iter(self.values.order(tier))
-        for block_id in self._originals[tier]:
-            if block_id not in self.tier_of and self.is_movable(block_id):
-                self._peeked[tier] = block_id
-                return block_id
-        self._peeked[tier] = None
-        arrived = self._arrived[tier]
-        while arrived and not self._still_here(arrived[0], tier):
-            arrived.popleft()
-        return arrived[0] if arrived else None
-
-    def _drop_candidate(self, tier: int) -> int | None:
-        if self._droppable[tier] is None:
-            self._droppable[tier] = iter(self.values.unreferenced_order(tier))
-        for block_id in self._droppable[tier]:
-            if block_id not in self.tier_of and self.is_movable(block_id):
-                return block_id
-        return next((b for b in self._arrived[tier] if self._still_here(b, tier)
-                     and self.index.get(b).ref_count == 0), None)
-
-    def make_room(self, tier: int, num_slots: int = 1) -> bool:
-        """Free slots in `tier` by moving its LRU blocks down (recursively) or dropping cached ones."""
-        if self.free[tier] >= num_slots:
-            return True
-        while self.free[tier] < num_slots:
-            victim = self._victim(tier)
-            if victim is None:
-                return self._drop(tier)
-            below = tier + 1
-            while below < NUM_TIERS and self.capacities[below] == 0:
-                below += 1
-            if below < NUM_TIERS and self.make_room(below, 1):
-                self.move(victim, tier, below)
-            elif not self._drop(tier):
-                return False
-        return True
-
-    def _drop(self, tier: int) -> bool:
-        dropped = self._drop_candidate(tier)
-        if dropped is None:
-            return False
-        self.drop(dropped, tier)
-        return True
-
-    def drop(self, block_id: int, tier: int) -> None:
-        self._record(Move(block_id, tier, DROPPED))
-        self.free[tier] += 1
-
-    def move(self, block_id: int, src_tier: int, dst_tier: int) -> None:
-        self.moves.append(Move(block_id, src_tier, dst_tier))
-        self.tier_of[block_id] = dst_tier
-        self.free[src_tier] += 1
-        self.free[dst_tier] -= 1
-        self._arrived[dst_tier].append(block_id)
-
-    def _record(self, move: Move) -> None:
-        self.moves.append(move)
-        self.tier_of[move.block_id] = move.dst_tier
-
-
-def _movable(protect: Iterable[int], is_pinned: Callable[[int], bool] | None) -> Callable[[int], bool]:
-    protect = protect if isinstance(protect, (set, frozenset)) else frozenset(protect)
-    if is_pinned is None:
-        return lambda block_id: block_id not in protect
-    return lambda block_id: block_id not in protect and not is_pinned(block_id)
+__all__ = ["ALLOWED_POLICIES", "MemScheduler", "Watermarks"]
 
 
 class MemScheduler:
     """Plans for one store. `settings` is a SchedulerConfig (or just a policy name, the rest
-    defaulted); `access_log` is the store's (a private empty one when not given)."""
+    defaulted); `access_log` is the store's (a private empty one when not given). `policy` is the
+    policy's name ("turns" when the config said "ali", its former name; it still compares equal
+    to "ali" for code that tests the former name: PolicyName)."""
 
     def __init__(self, settings: SchedulerConfig | str = "lru", access_log: AccessLog | None = None):
         if isinstance(settings, str):
-            if settings not in ALLOWED_POLICIES:
-                raise ValueError(f"scheduler.policy {settings!r} is not known; allowed: {ALLOWED_POLICIES}")
+            if settings not in ALLOWED_POLICIES and settings not in POLICY_ALIASES:
+                raise ValueError(f"scheduler.policy {settings!r} is not known; allowed: {ALLOWED_POLICIES} "
+                                 f"(or a former name: {', '.join(POLICY_ALIASES)})")
             settings = SchedulerConfig(policy=settings)
         self.settings = settings
-        self.policy = settings.policy
+        self.policy = PolicyName(settings.policy)
         self.cs_weight = settings.cs_weight
         self.access_log = access_log if access_log is not None else AccessLog.from_settings(settings)
+        self.locality = Locality(self.access_log, settings)
 
-    def _simulation(self, index, free_slots, capacities, movable) -> _Simulation:
-        return _Simulation(index, free_slots, capacities, movable, _Values(self, index))
+    def _simulation(self, index, free_slots, capacities, movable) -> Simulation:
+        policy = policy_for(self.policy, index, self.access_log, self.cs_weight)
+        return Simulation(index, free_slots, capacities, movable, VictimOrder(policy, index, self.access_log))
+
+    @property
+    def promotes_by_locality(self) -> bool:
+        """Whether background plans also bring spilled blocks up to where ALI says they belong
+        (the `turns` policy with `ali_promote`)."""
+        return self.policy == "turns" and self.settings.ali_promote
 
     # ---- signals ---------------------------------------------------------------------------
     def scores(self, block_ids) -> np.ndarray:
         """ALI plus the CS bonus (`cs_weight * CS`) of each block: what its target tier is read from."""
-        ids = np.asarray(list(block_ids), dtype=np.int64)
-        log = self.access_log
-        return log.ali(ids) + self.cs_weight * log.cost_sensitivity(ids)
+        return self.locality.scores(block_ids)
 
     def target_tiers(self, block_ids) -> np.ndarray:
         """Where ALI says each block belongs: hot above ali_hot, warm above ali_warm, else cold."""
-        scores = self.scores(block_ids)
-        return np.where(scores > self.settings.ali_hot, HOT, np.where(scores > self.settings.ali_warm, WARM, COLD))
+        return self.locality.target_tiers(block_ids)
 
     def plan_new_blocks(
         self,
         num_new_blocks: int,
-        index: BlockIndex,
+        index: IndexView,
         free_slots: list[int],
         capacities: list[int],
         protect: Iterable[int] = frozenset(),
@@ -266,7 +85,7 @@ class MemScheduler:
         """Place `num_new_blocks` new blocks as high as possible, pushing LRU blocks down.
 
         Returns None when all tiers together cannot hold them (nothing is to be applied)."""
-        sim = self._simulation(index, free_slots, capacities, _movable(protect, is_pinned))
+        sim = self._simulation(index, free_slots, capacities, movable_test(protect, is_pinned))
         tiers = [t for t in (HOT, WARM, COLD) if capacities[t] > 0]
         placed: list[int] = []
         for _ in range(num_new_blocks):
@@ -282,7 +101,7 @@ class MemScheduler:
     def plan_promotion(
         self,
         block_ids: list[int],
-        index: BlockIndex,
+        index: IndexView,
         free_slots: list[int],
         capacities: list[int],
         is_pinned: Callable[[int], bool] | None = None,
@@ -291,7 +110,7 @@ class MemScheduler:
         allows, moving only other blocks out of the way. Blocks that cannot reach hot leave cold
         for warm when warm has room. A block pinned by a running step (a prefix another chat
         shares) stays where that step reads it."""
-        sim = self._simulation(index, free_slots, capacities, _movable(frozenset(block_ids), is_pinned))
+        sim = self._simulation(index, free_slots, capacities, movable_test(frozenset(block_ids), is_pinned))
         for block_id in block_ids:
             tier = sim.tier(block_id)
             if tier == HOT or tier == DROPPED:  # already hot, or corrupt (no data to move)
@@ -308,7 +127,7 @@ class MemScheduler:
         self,
         block_ids: list[int],
         dst_tier: int,
-        index: BlockIndex,
+        index: IndexView,
         free_slots: list[int],
         capacities: list[int],
         is_pinned: Callable[[int], bool] | None = None,
@@ -318,7 +137,7 @@ class MemScheduler:
         `dst_tier` runs out of room the rest stay where they are (a partial plan, never an error)."""
         if capacities[dst_tier] == 0:
             return Plan()
-        sim = self._simulation(index, free_slots, capacities, _movable(frozenset(block_ids), is_pinned))
+        sim = self._simulation(index, free_slots, capacities, movable_test(frozenset(block_ids), is_pinned))
         for block_id in block_ids:
             tier = sim.tier(block_id)
             if tier == DROPPED or tier >= dst_tier or (is_pinned is not None and is_pinned(block_id)):
@@ -330,7 +149,7 @@ class MemScheduler:
 
     def plan_background(
         self,
-        index: BlockIndex,
+        index: IndexView,
         free_slots: list[int],
         capacities: list[int],
         watermarks: Watermarks,
@@ -346,105 +165,22 @@ class MemScheduler:
            turn awaits (a prefetch's, or the coming chat's already hot ones). Unreferenced
            cached blocks with nowhere to go are dropped.
         2. hot blocks unread for `idle_steps` store steps (times 1 + CS) go to warm (not awaited ones).
-        3. under `ali` with `ali_promote`, warm and cold blocks read in the last tenth of the ALI window (a working
+        3. under `turns` with `ali_promote`, warm and cold blocks read in the last tenth of the ALI window (a working
            set that spilled) whose score names a higher tier come up while that tier stays
            under its low watermark (most valuable first; the room between the low and high
            marks stays free for the blocks new turns allocate).
         Never moves pinned blocks; never cascades (each move needs a free slot where it goes).
         """
-        sim = self._simulation(index, free_slots, capacities, _movable(frozenset(), is_pinned))
-        self._demote_over_watermarks(sim, index, capacities, watermarks, max_moves)
-        self._demote_idle(sim, index, capacities, max_moves)
-        if self.policy == "ali" and self.settings.ali_promote:
-            self._promote_by_score(sim, index, capacities, watermarks, max_moves)
+        sim = self._simulation(index, free_slots, capacities, movable_test(frozenset(), is_pinned))
+        background.demote_over_watermarks(sim, index, capacities, watermarks, max_moves, self.locality)
+        background.demote_idle(sim, index, capacities, max_moves, self.access_log, self.settings.idle_steps)
+        if self.promotes_by_locality:
+            background.promote_by_locality(sim, index, capacities, watermarks, max_moves, self.locality)
         return Plan(moves=sim.moves)
 
-    def _lower_tier_with_room(self, sim: _Simulation, capacities: list[int], below: int) -> int | None:
-        for tier in range(below, NUM_TIERS):
-            if capacities[tier] > 0 and sim.free[tier] > 0:
-                return tier
-        return None
-
-    def _demote_over_watermarks(self, sim, index, capacities, watermarks, max_moves) -> None:
-        for tier in (WARM, HOT):
-            used = capacities[tier] - sim.free[tier]
-            if capacities[tier] == 0 or used <= watermarks.high_blocks[tier]:
-                continue
-            order = sim.values.order(tier)
-            targets = dict(zip(order, self.target_tiers(order).tolist())) if order else {}
-            awaited = set(np.asarray(order, dtype=np.int64)[self.access_log.awaited(order)].tolist()) if order else set()
-            for block_id in order:
-                if used <= watermarks.low_blocks[tier] or len(sim.moves) >= max_moves:
-                    break
-                if not sim.is_movable(block_id) or sim.tier(block_id) != tier:
-                    continue
-                if targets[block_id] <= tier or block_id in awaited:
-                    continue  # its score says it belongs here, or a turn awaits it: it would only come back
-                # one tier down (the cheapest to bring back), lower only when that one is full
-                dst = self._lower_tier_with_room(sim, capacities, tier + 1) if tier + 1 < NUM_TIERS else None
-                if dst is not None:
-                    sim.move(block_id, tier, dst)
-                elif index.get(block_id).ref_count == 0:
-                    sim.drop(block_id, tier)
-                else:
-                    continue
-                used -= 1
-
-    def _demote_idle(self, sim, index, capacities, max_moves) -> None:
-        idle_steps = self.settings.idle_steps
-        if idle_steps == 0 or capacities[WARM] == 0 or index.count_in(HOT) == 0:
-            return
-        ids = np.fromiter(index.recency(HOT), dtype=np.int64, count=index.count_in(HOT))
-        log = self.access_log
-        last = np.maximum(log.last_read_step(ids), np.asarray(index.arrival_steps(ids), dtype=np.int64))
-        limit = idle_steps * (1.0 + log.cost_sensitivity(ids))
-        for block_id in ids[((log.now - last) > limit) & ~log.awaited(ids)].tolist():
-            if len(sim.moves) >= max_moves or sim.free[WARM] == 0:
-                return
-            if sim.is_movable(block_id) and sim.tier(block_id) == HOT:
-                sim.move(block_id, HOT, WARM)
-
-    def idle_outlook(self, index: BlockIndex, capacities: list[int]) -> tuple[int | None, bool]:
+    def idle_outlook(self, index: IndexView, capacities: list[int]) -> tuple[int | None, bool]:
         """After a background plan: (the earliest store step at which one more hot block may
         turn idle, or None when idle demotion is off; whether some hot block is idle already
         (one the plan could not move: pinned, or no room in warm)). Blocks that arrive in hot
         later turn idle no sooner than `idle_steps` from now, so the step is capped there."""
-        idle_steps = self.settings.idle_steps
-        if idle_steps == 0 or capacities[WARM] == 0:
-            return None, False
-        log = self.access_log
-        if index.count_in(HOT) == 0:
-            return log.now + idle_steps, False
-        ids = np.fromiter(index.recency(HOT), dtype=np.int64, count=index.count_in(HOT))
-        last = np.maximum(log.last_read_step(ids), np.asarray(index.arrival_steps(ids), dtype=np.int64))
-        turns_idle = np.floor(last + idle_steps * (1.0 + log.cost_sensitivity(ids))).astype(np.int64) + 1
-        idle_now = turns_idle <= log.now
-        later = turns_idle[~idle_now]
-        next_step = min(int(later.min()) if len(later) else log.now + idle_steps, log.now + idle_steps)
-        return next_step, bool(idle_now.any())
-
-    def _promote_by_score(self, sim, index, capacities, watermarks, max_moves) -> None:
-        candidates = [b for tier in (WARM, COLD) for b in index.recency(tier)]
-        if not candidates:
-            return
-        # only blocks read lately from where they are (a working set that spilled): a chat idle
-        # between turns comes up by prefetch or at its turn, not by speculation
-        log = self.access_log
-        recent = log.last_read_step(candidates) >= log.now - max(1, log.window_steps // 10)
-        candidates = [b for b, keep in zip(candidates, recent.tolist()) if keep]
-        if not candidates:
-            return
-        scores = self.scores(candidates)
-        targets = self.target_tiers(candidates)
-        for i in np.argsort(-scores, kind="stable").tolist():
-            if len(sim.moves) >= max_moves:
-                return
-            block_id, target = candidates[i], int(targets[i])
-            tier = sim.tier(block_id)
-            if target >= tier or not sim.is_movable(block_id):
-                continue
-            for dst in range(target, tier):
-                used = capacities[dst] - sim.free[dst]
-                if capacities[dst] > 0 and sim.free[dst] > 0 and used + 1 <= watermarks.low_blocks[dst]:
-                    sim.move(block_id, tier, dst)
-                    break
+        return background.idle_outlook(index, capacities, self.access_log, self.settings.idle_steps)

@@ -22,7 +22,7 @@ from ..tiers.compressed import CompressedColdTier
 from ..tiers.cold_files import ColdDirectory, open_cold_directory
 from ..tiers.cold_peers import PeerFiles
 from ..tiers.paged import paged_slabs
-from ..tiers.warm import is_paged_warm, warm_tier
+from ..tiers.warm_factory import is_paged_warm, warm_tier
 from .copies import Staging
 
 log = logging.getLogger(__name__)

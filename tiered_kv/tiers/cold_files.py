@@ -12,7 +12,7 @@ O_NOFOLLOW, so a symlink planted at one of our names is refused, never followed:
 neither written, truncated nor chmod'ed. New files are created 0600 with O_EXCL; an existing file
 is reused only when it is a regular file of ours that no other user can read or write.
 
-Nothing we did not create is chmod'ed or deleted. `close()` keeps what we made (cold blocks are
+Nothing we did not create is chmod'ed or deleted (the checks and modes: cold_owned.py). `close()` keeps what we made (cold blocks are
 durable); `abort()`, for a start that failed, removes exactly what this start created.
 """
 
@@ -24,31 +24,15 @@ import fcntl
 import os
 import stat
 import time
-from dataclasses import dataclass
 
 from ..errors import ColdPathInUseError, ConfigError
-from ..hw import block_io
+from .cold_owned import DIRECTORY_MODE, FILE_MODE, OwnedFile, not_ours_alone, preallocate, undo_umask
 
 LOCK_NAME = ".lock"
-DIRECTORY_MODE = 0o700
-FILE_MODE = 0o600
 _NO_FOLLOW = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 _LOCK_ATTEMPTS = 3
 _CLAIM_ATTEMPTS = 4  # exclusive flock tries on a block file before it counts as held (~20 ms)
 LOCK_WAIT_S = 10.0  # a store waits this long for the directory's lock (gc, or an older tiered_kv, holding it)
-_CAPACITY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-@dataclass
-class OwnedFile:
-    """An open file inside a ColdDirectory. `created`: this start made it (and may remove it);
-    `original_size_bytes`: its size when opened, restored if sizing it fails."""
-
-    name: str
-    path: str
-    fd: int
-    created: bool
-    original_size_bytes: int
 
 
 def open_cold_directory(path: str, lock_wait_s: float | None = None) -> "ColdDirectory":
@@ -100,7 +84,7 @@ class ColdDirectory:
                                        f"{exc.strerror})") from None
             self.created_directories.append(directory)
             try:
-                _undo_umask(directory)
+                undo_umask(directory)
             except OSError as exc:
                 raise self._path_error(f"where the directory {directory!r} it created cannot be opened "
                                        f"({exc.strerror})") from None
@@ -176,7 +160,7 @@ class ColdDirectory:
                 self._created_files.pop(name, None)  # (if we made it, it is another store's now)
                 continue
             try:
-                _preallocate(file, size_bytes)
+                preallocate(file, size_bytes)
             except BaseException:
                 self.discard(file)
                 raise
@@ -219,7 +203,7 @@ class ColdDirectory:
             why = "it is a directory" if exc.errno == errno.EISDIR else exc.strerror
             raise self._foreign_file_error(path, why) from None
         info = os.fstat(fd)
-        why = _not_ours_alone(info)
+        why = not_ours_alone(info)
         if why:
             os.close(fd)
             raise self._foreign_file_error(path, why)
@@ -234,7 +218,7 @@ class ColdDirectory:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
         except OSError as exc:
             raise self._foreign_file_error(self.file_path(name), exc.strerror) from None
-        why = _not_ours_alone(os.fstat(fd))
+        why = not_ours_alone(os.fstat(fd))
         if why:
             os.close(fd)
             raise self._foreign_file_error(self.file_path(name), why)
@@ -246,7 +230,7 @@ class ColdDirectory:
         file is removed (made now) or cut back to its original size (made earlier)."""
         file = self.open_file(name)
         try:
-            _preallocate(file, size_bytes)
+            preallocate(file, size_bytes)
         except BaseException:
             self.discard(file)
             raise
@@ -360,52 +344,3 @@ class ColdDirectory:
             f"it is; allowed: no file of that name (the store creates it) or a regular file owned by uid "
             f"{os.geteuid()}, with one link and mode 0600"
         )
-
-
-def _undo_umask(directory: str) -> None:
-    """A directory we just made gets exactly DIRECTORY_MODE, whatever the umask took away."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        if stat.S_IMODE(os.fstat(fd).st_mode) != DIRECTORY_MODE:
-            os.fchmod(fd, DIRECTORY_MODE)
-    finally:
-        os.close(fd)
-
-
-def _not_ours_alone(info: os.stat_result) -> str | None:
-    if not stat.S_ISREG(info.st_mode):
-        return "it is not a regular file"
-    if info.st_uid != os.geteuid():
-        return f"it is owned by uid {info.st_uid}, not by this process's uid {os.geteuid()}"
-    if info.st_mode & 0o077:
-        return f"group or others may access it (mode {stat.S_IMODE(info.st_mode):04o})"
-    if info.st_nlink != 1:
-        return f"it has {info.st_nlink} hard links, so writing it would change another file"
-    return None
-
-
-def _preallocate(file: OwnedFile, size_bytes: int) -> None:
-    if size_bytes <= 0:
-        return
-    info = os.fstat(file.fd)
-    needed_bytes = max(0, size_bytes - info.st_blocks * 512)  # a reused file may already hold some
-    disk = os.fstatvfs(file.fd)
-    free_bytes = disk.f_bavail * disk.f_frsize
-    if needed_bytes > free_bytes:
-        raise _capacity_error(file, size_bytes, free_bytes, f"{needed_bytes} more bytes needed")
-    try:
-        block_io.preallocate(file.fd, size_bytes)
-    except OSError as exc:
-        if exc.errno in _CAPACITY_ERRNOS:
-            raise _capacity_error(file, size_bytes, free_bytes, exc.strerror) from None
-        raise ConfigError(
-            f"config key 'cold.path': cannot preallocate {size_bytes} bytes for {file.path!r} ({exc.strerror}); "
-            "allowed: a directory on a local file system that supports posix_fallocate"
-        ) from None
-
-
-def _capacity_error(file: OwnedFile, size_bytes: int, free_bytes: int, why: str) -> ConfigError:
-    return ConfigError(
-        f"config key 'cold.capacity': {size_bytes} bytes do not fit on the disk of {file.path!r} "
-        f"({free_bytes} bytes free there; {why}); allowed: at most the free space there"
-    )

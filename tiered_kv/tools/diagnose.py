@@ -34,9 +34,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from .. import hooks
 from ..bank import CacheBank
-from ..blocks import layout_from_model_config
+from ..blocks import COLD, HOT, TIER_NAMES, layout_from_model_config, num_blocks_for
 from ..config import Config, load_config
-from ..blocks import COLD, HOT, TIER_NAMES
 from .diagnose_flags import Thresholds, find_flags
 from .diagnose_report import (ActivationFigures, BufferFigures, KVFigures, LayoutFigures, LinkFigures, ModelFigures,
                               ProcessFigures, Report, RunFigures, TierFigures)
@@ -230,7 +229,7 @@ def _kv_figures(store, bank: CacheBank, stats: dict, used_blocks_before: list[in
     # one table per layer group (a hybrid model's sliding groups hold only their windows)
     tables = [bank.block_table(0, g) for g in range(len(bank.layer_groups))]
     num_blocks = sum(map(len, tables))
-    whole = -(-tokens // block_size)
+    whole = num_blocks_for(tokens, block_size)
     held_tokens = sum(tokens - (whole - len(t)) * block_size for t in tables if t)
     tiers = {}
     for t, name in enumerate(TIER_NAMES):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..blocks import num_blocks_for
 from .diagnose_report import MIB, Flag, Report
 
 KV_SHARE_MAX = 0.5  # hot slab share of the compute device's measured memory above which kv_share fires
@@ -47,7 +48,7 @@ class Thresholds:
 
 def waste_ratio(num_tokens: int, block_size: int) -> float:
     """Share of the token slots of ceil(num_tokens / block_size) blocks left empty."""
-    num_slots = -(-num_tokens // block_size) * block_size
+    num_slots = num_blocks_for(num_tokens, block_size) * block_size
     return (num_slots - num_tokens) / num_slots if num_slots else 0.0
 
 
