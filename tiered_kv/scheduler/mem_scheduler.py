@@ -32,7 +32,6 @@ chats idle for `idle_steps`; under `ali` with `ali_promote`, bring blocks whose 
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -42,12 +41,9 @@ from ..block_index import BlockIndex
 from ..blocks import NUM_TIERS
 from ..config import ALLOWED_POLICIES, SchedulerConfig
 from .access_log import AccessLog
-from .plan import COLD, DROPPED, HOT, WARM, Move, Plan
-
-
-_IN_USE = 1e9  # added to the heat of blocks a chat is using now
-_AWAITED = 1e15  # added to the value of blocks an announced turn awaits (above any other value)
-_NEVER_READ = -1e9  # the heat value of a block no turn touched yet (below any real one; exact + CS bonus)
+from .arrays import as_ids, first_occurrences, leave_alone_mask, placements_of
+from .plan import COLD, HOT, WARM, Plan
+from .simulation import Simulation, Values, movable as _movable
 
 
 @dataclass(frozen=True)
@@ -56,173 +52,6 @@ class Watermarks:
 
     high_blocks: tuple[int, int, int]
     low_blocks: tuple[int, int, int]
-
-
-class _Values:
-    """A policy's value of blocks (higher = keep), computed from the index and the access log."""
-
-    def __init__(self, scheduler: "MemScheduler", index: BlockIndex):
-        self.scheduler, self.index, self.log = scheduler, index, scheduler.access_log
-
-    def of(self, ids: np.ndarray) -> np.ndarray:
-        """Each block's value (primary key; `order` breaks its ties by `tiebreak`); the blocks an
-        announced turn awaits above all others."""
-        value = self._policy_value(ids)
-        return np.where(self.log.awaited(ids), value + _AWAITED, value)
-
-    def _policy_value(self, ids: np.ndarray) -> np.ndarray:
-        policy, log, window = self.scheduler.policy, self.log, self.log.window_steps
-        if policy == "ali" and log.heat_predicts_better:
-            return self._heat(ids) + self.scheduler.cs_weight * log.cost_sensitivity(ids)
-        if policy in ("lru", "ali"):  # ali while recency predicts turns better: LRU, ties by heat
-            base = np.maximum(log.last_read_step(ids), np.asarray(self.index.arrival_steps(ids), dtype=np.int64))
-        elif policy == "fifo":
-            base = np.asarray(self.index.arrival_steps(ids), dtype=np.int64)
-        else:  # lfu
-            base = log.num_reads(ids)
-        return base + self.scheduler.cs_weight * window * log.cost_sensitivity(ids)
-
-    def tiebreak(self, ids: np.ndarray) -> np.ndarray | None:
-        """ali's second key: heat under recency and recency under heat; None: recency order."""
-        if self.scheduler.policy != "ali":
-            return None
-        log = self.log
-        if log.heat_predicts_better:
-            return np.maximum(log.last_read_step(ids), np.asarray(self.index.arrival_steps(ids), dtype=np.int64))
-        return self._heat(ids)
-
-    def _heat(self, ids: np.ndarray) -> np.ndarray:
-        """Turn heat, and above every heat the blocks a chat is using now: read within the last
-        quarter of the ALI window, or within two rounds of the chats stepping now when more of
-        them take turns (each then steps once per round): a chat mid-turn keeps its blocks
-        whatever its heat."""
-        log = self.log
-        heat = log.heat(ids)
-        heat = np.where(np.isfinite(heat), heat, _NEVER_READ)
-        span = max(1, log.window_steps // 4, 2 * log.active_chats)
-        last = log.last_read_step(ids)
-        in_use = (last >= 0) & (last >= log.now - span)
-        return np.where(in_use, heat + _IN_USE, heat)
-
-    def _sorted(self, ids: np.ndarray) -> list[int]:
-        second = self.tiebreak(ids)
-        if second is None:
-            return ids[np.argsort(self.of(ids), kind="stable")].tolist()
-        return ids[np.lexsort((second, self.of(ids)))].tolist()  # (lexsort is stable: recency order last)
-
-    def order(self, tier: int) -> list[int]:
-        """Blocks of `tier`, least valuable first (ties: least recently used first)."""
-        ids = np.fromiter(self.index.recency(tier), dtype=np.int64, count=self.index.count_in(tier))
-        if not len(ids):
-            return []
-        return self._sorted(ids)
-
-    def unreferenced_order(self, tier: int) -> list[int]:
-        ids = np.fromiter(self.index.unreferenced(tier), dtype=np.int64)
-        if not len(ids):
-            return []
-        return self._sorted(ids)
-
-
-class _Simulation:
-    """Free-slot counts and per-tier victim order as the plan's moves so far would leave them."""
-
-    def __init__(self, index: BlockIndex, free_slots: list[int], capacities: list[int],
-                 is_movable: Callable[[int], bool], values: _Values):
-        self.index = index
-        self.values = values
-        self.free = list(free_slots)
-        self.capacities = capacities
-        self.is_movable = is_movable
-        self.moves: list[Move] = []
-        self.tier_of: dict[int, int] = {}  # blocks this plan moved, and where to
-        # victim orders, computed the first time a tier needs a victim (most plans need none)
-        self._originals: list[Iterable[int] | None] = [None] * NUM_TIERS
-        self._peeked: list[int | None] = [None] * NUM_TIERS
-        self._arrived = [deque() for _ in range(NUM_TIERS)]  # moved in by this plan, oldest first
-        self._droppable: list[Iterable[int] | None] = [None] * NUM_TIERS
-
-    def tier(self, block_id: int) -> int:
-        tier = self.tier_of.get(block_id)
-        if tier is not None:
-            return tier
-        entry = self.index.peek(block_id)
-        return entry.tier if entry is not None else DROPPED
-
-    def _still_here(self, block_id: int, tier: int) -> bool:
-        return self.tier(block_id) == tier and self.is_movable(block_id)
-
-    def _victim(self, tier: int) -> int | None:
-        """The least valuable movable block now in `tier` (not consumed)."""
-        peeked = self._peeked[tier]
-        if peeked is not None and self._still_here(peeked, tier):
-            return peeked
-        if self._originals[tier] is None:
-            self._originals[tier] = iter(self.values.order(tier))
-        for block_id in self._originals[tier]:
-            if block_id not in self.tier_of and self.is_movable(block_id):
-                self._peeked[tier] = block_id
-                return block_id
-        self._peeked[tier] = None
-        arrived = self._arrived[tier]
-        while arrived and not self._still_here(arrived[0], tier):
-            arrived.popleft()
-        return arrived[0] if arrived else None
-
-    def _drop_candidate(self, tier: int) -> int | None:
-        if self._droppable[tier] is None:
-            self._droppable[tier] = iter(self.values.unreferenced_order(tier))
-        for block_id in self._droppable[tier]:
-            if block_id not in self.tier_of and self.is_movable(block_id):
-                return block_id
-        return next((b for b in self._arrived[tier] if self._still_here(b, tier)
-                     and self.index.get(b).ref_count == 0), None)
-
-    def make_room(self, tier: int, num_slots: int = 1) -> bool:
-        """Free slots in `tier` by moving its LRU blocks down (recursively) or dropping cached ones."""
-        if self.free[tier] >= num_slots:
-            return True
-        while self.free[tier] < num_slots:
-            victim = self._victim(tier)
-            if victim is None:
-                return self._drop(tier)
-            below = tier + 1
-            while below < NUM_TIERS and self.capacities[below] == 0:
-                below += 1
-            if below < NUM_TIERS and self.make_room(below, 1):
-                self.move(victim, tier, below)
-            elif not self._drop(tier):
-                return False
-        return True
-
-    def _drop(self, tier: int) -> bool:
-        dropped = self._drop_candidate(tier)
-        if dropped is None:
-            return False
-        self.drop(dropped, tier)
-        return True
-
-    def drop(self, block_id: int, tier: int) -> None:
-        self._record(Move(block_id, tier, DROPPED))
-        self.free[tier] += 1
-
-    def move(self, block_id: int, src_tier: int, dst_tier: int) -> None:
-        self.moves.append(Move(block_id, src_tier, dst_tier))
-        self.tier_of[block_id] = dst_tier
-        self.free[src_tier] += 1
-        self.free[dst_tier] -= 1
-        self._arrived[dst_tier].append(block_id)
-
-    def _record(self, move: Move) -> None:
-        self.moves.append(move)
-        self.tier_of[move.block_id] = move.dst_tier
-
-
-def _movable(protect: Iterable[int], is_pinned: Callable[[int], bool] | None) -> Callable[[int], bool]:
-    protect = protect if isinstance(protect, (set, frozenset)) else frozenset(protect)
-    if is_pinned is None:
-        return lambda block_id: block_id not in protect
-    return lambda block_id: block_id not in protect and not is_pinned(block_id)
 
 
 class MemScheduler:
@@ -239,8 +68,19 @@ class MemScheduler:
         self.cs_weight = settings.cs_weight
         self.access_log = access_log if access_log is not None else AccessLog.from_settings(settings)
 
-    def _simulation(self, index, free_slots, capacities, movable) -> _Simulation:
-        return _Simulation(index, free_slots, capacities, movable, _Values(self, index))
+    def _simulation(self, index, free_slots, capacities, movable) -> Simulation:
+        return Simulation(index, free_slots, capacities, movable, Values(self, index))
+
+    @staticmethod
+    def _candidates(block_ids, index, is_pinned, wanted) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, tiers, slots) of the blocks a promotion or demotion considers, in order: each
+        block's first occurrence, present and intact, not pinned, and `wanted(tiers)` (a mask of its tier)."""
+        ids = as_ids(block_ids)
+        tiers, slots = placements_of(index, ids)
+        keep = first_occurrences(ids) & (tiers >= 0) & wanted(tiers)  # (DROPPED: corrupt; ABSENT: gone)
+        if is_pinned is not None and keep.any():  # another chat's running step reads it there
+            keep[keep] = ~leave_alone_mask(is_pinned, ids[keep])
+        return ids[keep], tiers[keep], slots[keep]
 
     # ---- signals ---------------------------------------------------------------------------
     def scores(self, block_ids) -> np.ndarray:
@@ -269,7 +109,10 @@ class MemScheduler:
         sim = self._simulation(index, free_slots, capacities, _movable(protect, is_pinned))
         tiers = [t for t in (HOT, WARM, COLD) if capacities[t] > 0]
         placed: list[int] = []
-        for _ in range(num_new_blocks):
+        if tiers and sim.free[tiers[0]] > 0:  # the first tier's free slots need no room made: at once
+            placed = [tiers[0]] * min(num_new_blocks, sim.free[tiers[0]])
+            sim.free[tiers[0]] -= len(placed)
+        for _ in range(num_new_blocks - len(placed)):
             for tier in tiers:
                 if sim.make_room(tier, 1):
                     sim.free[tier] -= 1
@@ -277,7 +120,7 @@ class MemScheduler:
                     break
             else:
                 return None
-        return Plan(moves=sim.moves, new_block_tiers=placed)
+        return sim.plan(new_block_tiers=placed)
 
     def plan_promotion(
         self,
@@ -291,18 +134,16 @@ class MemScheduler:
         allows, moving only other blocks out of the way. Blocks that cannot reach hot leave cold
         for warm when warm has room. A block pinned by a running step (a prefix another chat
         shares) stays where that step reads it."""
-        sim = self._simulation(index, free_slots, capacities, _movable(frozenset(block_ids), is_pinned))
-        for block_id in block_ids:
-            tier = sim.tier(block_id)
-            if tier == HOT or tier == DROPPED:  # already hot, or corrupt (no data to move)
-                continue
-            if is_pinned is not None and is_pinned(block_id):  # another chat's running step reads it there
-                continue
+        ids, tiers, slots = self._candidates(block_ids, index, is_pinned, lambda tiers: tiers != HOT)
+        sim = self._simulation(index, free_slots, capacities, _movable(as_ids(block_ids), is_pinned))
+        straight = min(len(ids), sim.free[HOT]) if capacities[HOT] > 0 else 0
+        sim.move_bulk(ids[:straight], tiers[:straight], HOT, slots[:straight])  # free hot slots: all at once
+        for block_id, tier in zip(ids[straight:].tolist(), tiers[straight:].tolist()):
             if capacities[HOT] > 0 and sim.make_room(HOT, 1):
                 sim.move(block_id, tier, HOT)
             elif tier == COLD and capacities[WARM] > 0 and sim.make_room(WARM, 1):
                 sim.move(block_id, tier, WARM)
-        return Plan(moves=sim.moves)
+        return sim.plan()
 
     def plan_demotion(
         self,
@@ -318,15 +159,15 @@ class MemScheduler:
         `dst_tier` runs out of room the rest stay where they are (a partial plan, never an error)."""
         if capacities[dst_tier] == 0:
             return Plan()
-        sim = self._simulation(index, free_slots, capacities, _movable(frozenset(block_ids), is_pinned))
-        for block_id in block_ids:
-            tier = sim.tier(block_id)
-            if tier == DROPPED or tier >= dst_tier or (is_pinned is not None and is_pinned(block_id)):
-                continue
+        ids, tiers, slots = self._candidates(block_ids, index, is_pinned, lambda tiers: tiers < dst_tier)
+        sim = self._simulation(index, free_slots, capacities, _movable(as_ids(block_ids), is_pinned))
+        straight = min(len(ids), max(0, sim.free[dst_tier]))
+        sim.move_bulk(ids[:straight], tiers[:straight], dst_tier, slots[:straight])  # room there: all at once
+        for block_id, tier in zip(ids[straight:].tolist(), tiers[straight:].tolist()):
             if not sim.make_room(dst_tier, 1):
                 break
             sim.move(block_id, tier, dst_tier)
-        return Plan(moves=sim.moves)
+        return sim.plan()
 
     def plan_background(
         self,
@@ -357,9 +198,9 @@ class MemScheduler:
         self._demote_idle(sim, index, capacities, max_moves)
         if self.policy == "ali" and self.settings.ali_promote:
             self._promote_by_score(sim, index, capacities, watermarks, max_moves)
-        return Plan(moves=sim.moves)
+        return sim.plan()
 
-    def _lower_tier_with_room(self, sim: _Simulation, capacities: list[int], below: int) -> int | None:
+    def _lower_tier_with_room(self, sim: Simulation, capacities: list[int], below: int) -> int | None:
         for tier in range(below, NUM_TIERS):
             if capacities[tier] > 0 and sim.free[tier] > 0:
                 return tier
@@ -374,7 +215,7 @@ class MemScheduler:
             targets = dict(zip(order, self.target_tiers(order).tolist())) if order else {}
             awaited = set(np.asarray(order, dtype=np.int64)[self.access_log.awaited(order)].tolist()) if order else set()
             for block_id in order:
-                if used <= watermarks.low_blocks[tier] or len(sim.moves) >= max_moves:
+                if used <= watermarks.low_blocks[tier] or sim.num_moves >= max_moves:
                     break
                 if not sim.is_movable(block_id) or sim.tier(block_id) != tier:
                     continue
@@ -399,7 +240,7 @@ class MemScheduler:
         last = np.maximum(log.last_read_step(ids), np.asarray(index.arrival_steps(ids), dtype=np.int64))
         limit = idle_steps * (1.0 + log.cost_sensitivity(ids))
         for block_id in ids[((log.now - last) > limit) & ~log.awaited(ids)].tolist():
-            if len(sim.moves) >= max_moves or sim.free[WARM] == 0:
+            if sim.num_moves >= max_moves or sim.free[WARM] == 0:
                 return
             if sim.is_movable(block_id) and sim.tier(block_id) == HOT:
                 sim.move(block_id, HOT, WARM)
@@ -437,7 +278,7 @@ class MemScheduler:
         scores = self.scores(candidates)
         targets = self.target_tiers(candidates)
         for i in np.argsort(-scores, kind="stable").tolist():
-            if len(sim.moves) >= max_moves:
+            if sim.num_moves >= max_moves:
                 return
             block_id, target = candidates[i], int(targets[i])
             tier = sim.tier(block_id)

@@ -28,6 +28,7 @@ from ..metrics.registry import BACKGROUND, ON_DEMAND
 from ..scheduler import Plan
 from . import write_behind
 from .copies import BACKUP
+from .leave_alone import LeaveAlone
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,7 @@ class Mover:
         failed = self._failed_until
         if not expected and not failed:
             return state.is_pinned
-        return lambda block_id: state.is_pinned(block_id) or block_id in failed or \
-            any(block_id in blocks for blocks in expected)
+        return LeaveAlone(state, extra=(failed, *expected))
 
     def wake(self) -> None:
         self._wake.set()
@@ -159,10 +159,10 @@ class Mover:
             if batch is None:
                 if plan is None:
                     plan, leave_alone = self._next_plan()
-                if plan is None or not plan.moves:
+                if plan is None or not plan.num_moves:
                     return False
-                batch = store.transfers.prepare(plan.moves, BACKGROUND, leave_alone)
-                if not batch.transfers:
+                batch = store.transfers.prepare(plan, BACKGROUND, leave_alone)
+                if not batch.groups:
                     return batch.settled_at_prepare > 0
             self.busy = True
         try:
@@ -175,14 +175,13 @@ class Mover:
         return batch.failure is None  # after a failed batch, wait for the next interval
 
     def _after(self, batch) -> None:
-        if batch.failed:
+        if batch.failed_parts:
             retry_at = time.monotonic() + FAILED_MOVE_BACKOFF_S
-            for t in batch.failed:
-                self._failed_until[t.block_id] = retry_at
+            self._failed_until.update(dict.fromkeys(batch.failed_block_ids().tolist(), retry_at))
         self.num_batches += 1
         moved = self.store.transfers.moved_bytes  # (an eviction carries nothing)
-        self.bytes_moved += sum(moved.get((t.src_tier, t.dst_tier), 0) for t in batch.committed)
-        into_cold = any(t.dst_tier == COLD for t in batch.transfers)
+        self.bytes_moved += sum(moved.get(direction, 0) * count for direction, count in batch.committed.counts().items())
+        into_cold = any(g.dst_tier == COLD for g in batch.groups)
         if isinstance(batch.failure, ColdWriteError) and into_cold:
             self._cold_retry_pending = True
             self._cold_retry_at = time.monotonic() + self._cold_backoff_s
@@ -209,7 +208,7 @@ class Mover:
         next turn's). The queue-depth signal of every machine (NVML's link load is the GPU's). A
         queue busy with units no turn is waiting for holds background back QUEUE_YIELD_MAX_S at most."""
         store = self.store
-        if any(t.batch.mode == ON_DEMAND and t.kind != BACKUP for t in store.state.in_flight.values()):
+        if any(g.batch.mode == ON_DEMAND and g.kind != BACKUP for g in store.state.in_flight.groups()):
             return True
         if store.copy_engine.queue_depth() == 0:
             self._queue_busy_since = None
@@ -240,8 +239,8 @@ class Mover:
             # its own blocks in a loop until its turn came)
             plan = store.scheduler.plan_promotion(present, state.index, state.free_slots(), state.capacities,
                                                   leave_alone)
-            if plan.moves:
-                return Plan(moves=plan.moves[:self.batch_blocks]), leave_alone
+            if plan.num_moves:
+                return plan.head(self.batch_blocks), leave_alone
             del self._requests[owner]  # nothing more can come up now
         return None, None
 
@@ -255,7 +254,7 @@ class Mover:
             plan = store.scheduler.plan_background(state.index, state.free_slots(), state.capacities,
                                                    store.watermarks, leave_alone, self.batch_blocks)
             plan = self._without_cold_moves_while_backing_off(plan)
-            if plan.moves:
+            if plan.num_moves:
                 self._quiet = None
                 return plan, leave_alone
             # nothing to do: plan again only once something a plan reads changed (see below)
@@ -267,7 +266,7 @@ class Mover:
         if time.monotonic() >= self._cold_retry_at:
             return plan
         self._cold_retry_pending = True  # plan again when the backoff ends, even if nothing changed
-        return dataclasses.replace(plan, moves=[m for m in plan.moves if m.dst_tier != COLD])
+        return plan.take(plan.dst_tiers != COLD)
 
     def _background_may_have_work(self) -> bool:
         """False while nothing a background plan reads changed since one came back empty: O(1),
