@@ -4,9 +4,9 @@ step's moves, the moves to cold at close.
 `carry_out(make_plan)` repeats, until the plan is done or nothing more can move:
     under the lock: make a plan from the store as it is now, `prepare` its first sub-batch;
     then `pipeline`: launch that batch (no lock) and, while it copies, prepare the next
-    sub-batch (under the lock) and launch it too: the copy engine gets unit k+1 before unit k
-    completes; complete each batch (under the lock) once its copies are done, in order, with at
-    most PIPELINE_DEPTH batches launched and not completed.
+    sub-batch (under the lock) and launch it too, so the copy engine gets unit k+1 before unit k
+    completes; then complete batch k (under the lock) once its copies are done, prepare k+2 while
+    k+1 copies, and so on: at most PIPELINE_DEPTH batches launched and not completed.
 A plan is cut into sub-batches of SUB_BATCH_BYTES only where the copy engine is asynchronous
 (thread, CUDA): there preparing a batch overlaps the copy before it; the sync engine copies inside
 launch, so a plan goes as one batch. A plan whose moves depend on each other (a victim leaves
@@ -123,15 +123,15 @@ class DemandMoves:
                     self.transfers.start(batch)  # (an error fails the batch; an interrupt is raised)
                     launched.append(batch)
                 batch = None
+                while launched and (len(launched) >= PIPELINE_DEPTH or k == len(rest)):
+                    finishing = launched.popleft()  # (the one after it is queued already)
+                    committed += self._finish(finishing, result, waited_since)
+                    finishing = None
                 if k < len(rest):
-                    with self.lock:  # while the batch just launched copies
+                    with self.lock:  # while the batch launched last copies
                         self.state.drain()
                         batch = self._prepare(rest[k], movable, quiet)
                     k += 1
-                while launched and (len(launched) >= PIPELINE_DEPTH or batch is None):
-                    finishing = launched.popleft()
-                    committed += self._finish(finishing, result, waited_since)
-                    finishing = None
         except BaseException as interrupt:
             leftovers = [b for b in (finishing, *launched, batch) if b is not None]
             for b in leftovers:
