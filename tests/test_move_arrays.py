@@ -183,3 +183,35 @@ def test_a_move_costs_a_fixed_number_of_python_calls_whatever_its_blocks():
     assert grown.pop(("block_index.py", "peek")) == 2 * (512 - 64)
     # (the pool rebuilds its free list every few batches: a call or two more in one run or the other)
     assert all(more <= 4 for more in grown.values()), grown
+
+
+# ---- blocks in flight, per group ------------------------------------------------------------------------
+def test_in_flight_registers_cancels_and_settles_per_group():
+    from tiered_kv.metrics.registry import BACKGROUND, ON_DEMAND
+    from tiered_kv.store.batches import TransferBatch, TransferGroup
+    from tiered_kv.store.in_flight import InFlight
+
+    def group(mode, kind, ids):
+        ids = np.array(ids, dtype=np.int64)
+        return TransferGroup(TransferBatch(mode), kind, HOT, WARM, ids, ids + 100, ids + 200)
+
+    in_flight = InFlight()
+    demand, background, backup = group(ON_DEMAND, "move", [1, 2, 3]), group(BACKGROUND, "move", [4, 5]), \
+        group(BACKGROUND, "backup", [6])
+    for g in (demand, background, backup):
+        in_flight.add(g)
+    assert len(in_flight) == 6 and 5 in in_flight and 7 not in in_flight
+    assert in_flight.contains_mask([0, 3, 6, 9]).tolist() == [False, True, True, False]
+    assert in_flight[2].src_slot == 102 and in_flight[2].batch is demand.batch and in_flight.get(9) is None
+    assert in_flight.any_moving({3, 9}, ON_DEMAND) and not in_flight.any_moving({6}, BACKGROUND)
+    assert in_flight.any_moving(set(range(100)), BACKGROUND) and not in_flight.any_moving({1}, BACKGROUND)
+    assert in_flight.cancel_moves({4, 6, 1}, BACKGROUND) == 1  # (a backup does not move its block)
+    assert background.cancelled.tolist() == [True, False] and not backup.cancelled.any()
+    assert in_flight.cancel_moves({4}, BACKGROUND) == 0  # cancelled already
+    flight = in_flight.pop(2)  # freed while in flight: out of flight at once, its copy cancelled
+    assert flight.cancelled and demand.gone.tolist() == [False, True, False] and 2 not in in_flight
+    in_flight.settle(demand)
+    assert sorted(in_flight) == [4, 5, 6] and in_flight.groups() == [background, backup]
+    in_flight.settle(background)
+    in_flight.settle(backup)
+    assert not in_flight and in_flight.groups() == []

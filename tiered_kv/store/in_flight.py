@@ -11,7 +11,9 @@ Reading it: `block_id in in_flight`, `len`, iteration over ids, `contains_mask(i
 array, `groups()` for the live groups (kind, direction, batch mode), `in_flight[block_id]` or
 `get(block_id)` for a `Flight` (one block's view, whose `cancelled` can be set). For the callers
 written against the per-block map, `items()` yields (block id, its group): a group has `batch`
-and `kind` as the old per-block transfer had.
+and `kind` as the old per-block transfer had; `any_moving(ids, mode)` and `cancel_moves(ids, mode)`
+answer a step's two questions (its blocks in another caller's move; cancel background moves of
+them) per group instead.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections import deque
 import numpy as np
 
 from .batches import TransferGroup
+from .copies import BACKUP
 
 
 class Flight:
@@ -112,7 +115,33 @@ class InFlight:
         group.cancelled[group.position(block_id)] = True
         return True
 
+    def cancel_moves(self, block_ids, mode: str) -> int:
+        """Cancel the moves (not backups: they do not move their block) that batches of `mode` have
+        in flight of any of `block_ids` (a set); returns how many (a step starts using them)."""
+        cancelled = 0
+        for group in self._moving_groups(mode):
+            hit = np.fromiter(map(block_ids.__contains__, group.block_ids.tolist()), dtype=bool, count=len(group))
+            hit &= ~group.gone & ~group.cancelled
+            if hit.any():
+                group.cancelled |= hit
+                cancelled += int(hit.sum())
+        return cancelled
+
     # ---- reading ---------------------------------------------------------------------------------
+    def any_moving(self, block_ids, mode: str) -> bool:
+        """Whether a batch of `mode` has a move (not a backup) of any of `block_ids` (a set) in flight."""
+        group_of = self._group_of
+        if not group_of:
+            return False
+        if len(block_ids) <= len(group_of):
+            groups = (group_of.get(b) for b in block_ids)
+            return any(g is not None and g.batch.mode == mode and g.kind != BACKUP for g in groups)
+        return any(bool((np.fromiter(map(block_ids.__contains__, g.block_ids.tolist()), dtype=bool, count=len(g))
+                         & ~g.gone).any()) for g in self._moving_groups(mode))
+
+    def _moving_groups(self, mode: str) -> list[TransferGroup]:
+        return [g for g in self._groups if g.batch.mode == mode and g.kind != BACKUP]
+
     def __contains__(self, block_id) -> bool:
         return block_id in self._group_of
 
