@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm-layout", default="auto", choices=("auto", "paged", "records"),
                         help="config warm.layout (auto: paged on a CPU store)")
     parser.add_argument("--engine", default="auto", choices=("auto", "sync", "thread"), help="config copies.engine")
+    parser.add_argument("--sub-batch-mib", type=float, default=None,
+                        help="on-demand sub-batch size (store.demand; 0: a plan as one batch); default: the store's")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the blocks' random bytes")
     parser.add_argument("--json", default=None, metavar="PATH", help="write all results to this JSON file")
@@ -156,6 +158,10 @@ def run(args: argparse.Namespace) -> dict:
         "copies": {"engine": args.engine}})
     try:
         store.bind(layout, torch.float32)
+        if args.sub_batch_mib is not None:  # (a store without sub-batches ignores it)
+            if hasattr(store.demand, "sub_batch_blocks"):
+                store.demand.sub_batch_blocks = int(args.sub_batch_mib * 2**20 // layout.block_bytes)
+        sub_batch_blocks = getattr(store.demand, "sub_batch_blocks", None)
         block_ids = store.allocate(args.blocks)
         hot_view, warm_view = store.tiers[HOT].slots_view(), store.tiers[WARM].slots_view()
         store.tiers[HOT].slab.normal_(generator=torch.Generator().manual_seed(args.seed))  # seeded bytes
@@ -234,6 +240,7 @@ def run(args: argparse.Namespace) -> dict:
                    "block_size": args.block_size, "dtype": "float32", "block_bytes": layout.block_bytes},
         "warm_layout": args.warm_layout,
         "engine": args.engine,
+        "sub_batch_blocks": sub_batch_blocks,
         "rounds": args.rounds,
         "seed": args.seed,
         "threads": torch.get_num_threads(),
