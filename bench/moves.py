@@ -11,13 +11,16 @@ Each round, in an order that alternates (A/B interleaved):
             slab -> warm slab, then back: preallocated tensors of exactly the tiers' layouts; the
             blocks sit in hot meanwhile and the warm slab is free, so this changes no block).
 A warm-up round of each runs first and is not counted. Reported per direction (medians):
-  * `ratio`: plain seconds / store seconds (1.0: the store moves at the speed of a plain copy);
+  * `ratio`: plain seconds / store seconds (1.0: the store moves at the speed of a plain copy), the
+    median over rounds of each round's pair (the two run back to back, so a change of the machine's
+    memory bandwidth between rounds, which swings 22-37 GB/s on this VM, cancels out;
+    `ratio_of_medians` is the plain median over the store median);
   * `store_own_s_per_block`: the store's own time per block: its wall time minus the time spent
     inside its byte copies (`BlockCopier.copy` and `BlockCopier.direct/staged`, timed with
     perf_counter around each call by this script; on the sync engine they run on the calling
     thread, so the rest of the wall time is the store's Python: plan, reserve, commit);
-  * `beyond_plain_s_per_block`: (store wall - plain wall) / blocks: what a move costs beyond the
-    copy, the copies' own efficiency included (a store copying run by run vs one copy_);
+  * `beyond_plain_s_per_block`: (store wall - plain wall) / blocks, median over rounds' pairs: what
+    a move costs beyond the copy, the copies' own efficiency included (run by run vs one copy_);
   * `thread_cpu_s`: CPU seconds of the calling thread (time.thread_time), store and plain: torch
     spreads a large copy over its threads, so the difference is mostly the store's Python.
 Every block's bytes are checked (crc32) after the last round: the moves must keep them exactly.
@@ -209,13 +212,15 @@ def run(args: argparse.Namespace) -> dict:
         median = lambda rows, key: statistics.median(row[key] for row in rows)  # noqa: E731
         store_wall, plain_wall = median(store_rows, "wall_s"), median(plain_rows, "wall_s")
         own = statistics.median(row["wall_s"] - row["in_copy_s"] for row in store_rows)
+        pairs = list(zip(store_rows, plain_rows))  # (the same round's, back to back)
         directions[direction] = {
             "store_wall_s": store_wall,
             "plain_wall_s": plain_wall,
-            "ratio": plain_wall / store_wall,
+            "ratio": statistics.median(p["wall_s"] / s["wall_s"] for s, p in pairs),
+            "ratio_of_medians": plain_wall / store_wall,
             "store_in_copy_s": median(store_rows, "in_copy_s"),
             "store_own_s_per_block": own / args.blocks,
-            "beyond_plain_s_per_block": (store_wall - plain_wall) / args.blocks,
+            "beyond_plain_s_per_block": statistics.median(s["wall_s"] - p["wall_s"] for s, p in pairs) / args.blocks,
             "store_thread_cpu_s": median(store_rows, "thread_cpu_s"),
             "plain_thread_cpu_s": median(plain_rows, "thread_cpu_s"),
             "store_gbps": layout.block_bytes * args.blocks / store_wall / 1e9,
