@@ -22,10 +22,11 @@ import time
 import weakref
 from collections import OrderedDict
 
-from ..blocks import COLD, DROPPED, HOT, WARM
+from ..blocks import COLD, HOT, WARM
 from ..hw.block_io import ColdWriteError
 from ..metrics.registry import BACKGROUND, ON_DEMAND
 from ..scheduler import Plan
+from ..scheduler.arrays import ABSENT, as_ids, placements_of
 from . import write_behind
 from .copies import BACKUP
 from .leave_alone import LeaveAlone
@@ -74,7 +75,7 @@ class Mover:
     # ---- requests (store lock held by the caller) -----------------------------------------------
     def request_prefetch(self, owner: int, block_ids: list[int], deadline: float | None = None) -> None:
         """Bring `block_ids` up, most wanted first, until `deadline` (time.monotonic(); None: until done)."""
-        self._requests[owner] = (list(block_ids), deadline)
+        self._requests[owner] = (as_ids(block_ids).copy(), deadline)
         self._requests.move_to_end(owner)
         # until its next step, the chat is about to be read: no optional move takes its blocks
         # down again (its ALI or read count may be low: it has been idle)
@@ -227,8 +228,9 @@ class Mover:
         now = time.monotonic()
         while self._requests:
             owner, (block_ids, deadline) = next(iter(self._requests.items()))
-            present = [b for b in block_ids if b in state.index]
-            below = any(state.index.get(b).tier not in (HOT, DROPPED) for b in present)
+            tiers, _ = placements_of(state.index, block_ids)  # (ABSENT: freed since the request)
+            present = block_ids[tiers != ABSENT]
+            below = bool(((tiers >= 0) & (tiers != HOT)).any())  # (DROPPED: corrupt, nothing to bring up)
             if not below or (deadline is not None and now >= deadline):
                 self.num_expired += below
                 del self._requests[owner]
