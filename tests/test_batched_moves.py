@@ -25,7 +25,8 @@ def test_slot_runs_follow_both_sides():
 @pytest.mark.parametrize("to_device", [True, False])
 def test_staged_copy_on_cpu_tensors_in_chunks(to_device):
     """The staged path (what runs between a CUDA hot tier and pinned warm) driven with CPU
-    tensors: scattered slots, 10 blocks through a 3-block staging, both directions."""
+    tensors: scattered slots, 10 blocks through a 6-block staging (two halves of 3 blocks, used
+    in turn: double-buffered), both directions."""
     torch.manual_seed(0)
     hot = HotTier(LAYOUT, 16, torch.device("cpu"), torch.float32)
     warm = WarmTier(LAYOUT, 16, torch.float32, pinned=False)
@@ -39,7 +40,7 @@ def test_staged_copy_on_cpu_tensors_in_chunks(to_device):
         dst, dst_slots, src, src_slots = warm.slots_view(), warm_slots, hot.slots_view(), hot_slots
     expected = {d: src[s].clone() for d, s in zip(dst_slots, src_slots)}
     untouched = {d: dst[d].clone() for d in range(16) if d not in expected}
-    copier = BlockCopier(torch.empty((3, *LAYOUT.record_shape())))
+    copier = BlockCopier(torch.empty((6, *LAYOUT.record_shape())))
     copier.staged(dst, dst_slots, src, src_slots, to_device=to_device)
     assert copier.num_chunks == 4
     for d, block in expected.items():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from itertools import repeat
 
 from .blocks import DROPPED, HOT, NUM_TIERS
 
@@ -186,7 +187,7 @@ class BlockIndex:
             moves.clear()  # (moved_since answers "maybe" for any version before this one)
             moves.append((version, -1))
         else:
-            moves.extend((version, block_id) for block_id in block_ids)
+            moves.extend(zip(repeat(version), block_ids))  # (C-level: no Python frame per block)
         self.order_version += 1
 
     def relocate(self, block_id: int, slot: int) -> None:

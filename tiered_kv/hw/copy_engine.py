@@ -275,6 +275,7 @@ class CudaCopyEngine:
         self.device = device
         self.side_stream = torch.cuda.Stream(device=device)
         self._outstanding: deque[CopyEvent] = deque()  # events of submitted units, oldest first
+        self._outstanding_lock = threading.Lock()  # (submitters and the mover's queue_depth, on several threads)
 
     def submit(self, unit: Unit, after: tuple[CopyEvent, ...] = ()) -> CopyEvent:
         # the copies must see what the steps that used their slots wrote, and must not overwrite
@@ -299,14 +300,16 @@ class CudaCopyEngine:
             interrupt.copy_event = _CudaEvent(event, interrupt)  # what was issued is still covered
             raise interrupt
         done = _CudaEvent(event, error)
-        self._outstanding.append(done)
+        with self._outstanding_lock:
+            self._outstanding.append(done)
         return done
 
     def queue_depth(self) -> int:
         """Units whose device copies have not all run yet (the side stream runs them in order)."""
-        while self._outstanding and self._outstanding[0].done():
-            self._outstanding.popleft()
-        return len(self._outstanding)
+        with self._outstanding_lock:
+            while self._outstanding and self._outstanding[0].done():
+                self._outstanding.popleft()
+            return len(self._outstanding)
 
     def host_wait(self) -> None:
         """Inside a unit: the host waits for the unit's device copies so far (before it reads or

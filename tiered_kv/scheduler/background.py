@@ -74,7 +74,7 @@ def demote_over_watermarks(sim: Simulation, index: IndexView, capacities: list[i
         targets = dict(zip(order, locality.target_tiers(order).tolist())) if order else {}
         awaited = set(np.asarray(order, dtype=np.int64)[locality.log.awaited(order)].tolist()) if order else set()
         for block_id in order:
-            if used <= watermarks.low_blocks[tier] or len(sim.moves) >= max_moves:
+            if used <= watermarks.low_blocks[tier] or sim.num_moves >= max_moves:
                 break
             if not sim.is_movable(block_id) or sim.tier(block_id) != tier:
                 continue
@@ -99,7 +99,7 @@ def demote_idle(sim: Simulation, index: IndexView, capacities: list[int], max_mo
     last = np.maximum(log.last_read_step(ids), np.asarray(index.arrival_steps(ids), dtype=np.int64))
     limit = idle_steps * (1.0 + log.cost_sensitivity(ids))
     for block_id in ids[((log.now - last) > limit) & ~log.awaited(ids)].tolist():
-        if len(sim.moves) >= max_moves or sim.free[WARM] == 0:
+        if sim.num_moves >= max_moves or sim.free[WARM] == 0:
             return
         if sim.is_movable(block_id) and sim.tier(block_id) == HOT:
             sim.move(block_id, HOT, WARM)
@@ -141,7 +141,7 @@ def promote_by_locality(sim: Simulation, index: IndexView, capacities: list[int]
     scores = locality.scores(candidates)
     targets = locality.target_tiers(candidates)
     for i in np.argsort(-scores, kind="stable").tolist():
-        if len(sim.moves) >= max_moves:
+        if sim.num_moves >= max_moves:
             return
         block_id, target = candidates[i], int(targets[i])
         tier = sim.tier(block_id)

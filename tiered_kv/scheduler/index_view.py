@@ -1,7 +1,9 @@
 """What the scheduler reads of the store's block index: the one view it plans over. Ids only.
 
 The store passes its BlockIndex (block_index.py), which has these methods; the scheduler never
-imports it and never changes it: a plan is a list of moves the store applies.
+imports it and never changes it: a plan is a list of moves the store applies. An index that
+has a `placement_version` (BlockIndex does) has it recorded in the plans made over it, with the
+source slots the planner read (Plan.with_sources): the store trusts them while it is current.
 """
 
 from __future__ import annotations

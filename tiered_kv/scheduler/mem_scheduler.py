@@ -27,10 +27,11 @@ import numpy as np
 from ..config import ALLOWED_POLICIES, POLICY_ALIASES, SchedulerConfig
 from . import background
 from .access_log import AccessLog
+from .arrays import as_ids, first_occurrences, leave_alone_mask, placements_of
 from .background import Locality, Watermarks
 from .index_view import IndexView
-from .plan import COLD, DROPPED, HOT, WARM, Plan
-from .policies import PolicyName, VictimOrder, policy_for
+from .plan import COLD, HOT, WARM, Plan
+from .policies import VictimOrder, policy_for
 from .simulation import Simulation, movable_test
 
 __all__ = ["ALLOWED_POLICIES", "MemScheduler", "Watermarks"]
@@ -39,8 +40,7 @@ __all__ = ["ALLOWED_POLICIES", "MemScheduler", "Watermarks"]
 class MemScheduler:
     """Plans for one store. `settings` is a SchedulerConfig (or just a policy name, the rest
     defaulted); `access_log` is the store's (a private empty one when not given). `policy` is the
-    policy's name ("turns" when the config said "ali", its former name; it still compares equal
-    to "ali" for code that tests the former name: PolicyName)."""
+    policy's name ("turns" when the config said "ali", its former name)."""
 
     def __init__(self, settings: SchedulerConfig | str = "lru", access_log: AccessLog | None = None):
         if isinstance(settings, str):
@@ -49,7 +49,7 @@ class MemScheduler:
                                  f"(or a former name: {', '.join(POLICY_ALIASES)})")
             settings = SchedulerConfig(policy=settings)
         self.settings = settings
-        self.policy = PolicyName(settings.policy)
+        self.policy = settings.policy
         self.cs_weight = settings.cs_weight
         self.access_log = access_log if access_log is not None else AccessLog.from_settings(settings)
         self.locality = Locality(self.access_log, settings)
@@ -63,6 +63,17 @@ class MemScheduler:
         """Whether background plans also bring spilled blocks up to where ALI says they belong
         (the `turns` policy with `ali_promote`)."""
         return self.policy == "turns" and self.settings.ali_promote
+
+    @staticmethod
+    def _candidates(block_ids, index, is_pinned, wanted) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, tiers, slots) of the blocks a promotion or demotion considers, in order: each
+        block's first occurrence, present and intact, not pinned, and `wanted(tiers)` (a mask of its tier)."""
+        ids = as_ids(block_ids)
+        tiers, slots = placements_of(index, ids)
+        keep = first_occurrences(ids) & (tiers >= 0) & wanted(tiers)  # (DROPPED: corrupt; ABSENT: gone)
+        if is_pinned is not None and keep.any():  # another chat's running step reads it there
+            keep[keep] = ~leave_alone_mask(is_pinned, ids[keep])
+        return ids[keep], tiers[keep], slots[keep]
 
     # ---- signals ---------------------------------------------------------------------------
     def scores(self, block_ids) -> np.ndarray:
@@ -88,7 +99,10 @@ class MemScheduler:
         sim = self._simulation(index, free_slots, capacities, movable_test(protect, is_pinned))
         tiers = [t for t in (HOT, WARM, COLD) if capacities[t] > 0]
         placed: list[int] = []
-        for _ in range(num_new_blocks):
+        if tiers and sim.free[tiers[0]] > 0:  # the first tier's free slots need no room made: at once
+            placed = [tiers[0]] * min(num_new_blocks, sim.free[tiers[0]])
+            sim.free[tiers[0]] -= len(placed)
+        for _ in range(num_new_blocks - len(placed)):
             for tier in tiers:
                 if sim.make_room(tier, 1):
                     sim.free[tier] -= 1
@@ -96,7 +110,7 @@ class MemScheduler:
                     break
             else:
                 return None
-        return Plan(moves=sim.moves, new_block_tiers=placed)
+        return sim.plan(new_block_tiers=placed)
 
     def plan_promotion(
         self,
@@ -110,18 +124,16 @@ class MemScheduler:
         allows, moving only other blocks out of the way. Blocks that cannot reach hot leave cold
         for warm when warm has room. A block pinned by a running step (a prefix another chat
         shares) stays where that step reads it."""
-        sim = self._simulation(index, free_slots, capacities, movable_test(frozenset(block_ids), is_pinned))
-        for block_id in block_ids:
-            tier = sim.tier(block_id)
-            if tier == HOT or tier == DROPPED:  # already hot, or corrupt (no data to move)
-                continue
-            if is_pinned is not None and is_pinned(block_id):  # another chat's running step reads it there
-                continue
+        ids, tiers, slots = self._candidates(block_ids, index, is_pinned, lambda tiers: tiers != HOT)
+        sim = self._simulation(index, free_slots, capacities, movable_test(as_ids(block_ids), is_pinned))
+        straight = min(len(ids), sim.free[HOT]) if capacities[HOT] > 0 else 0
+        sim.move_bulk(ids[:straight], tiers[:straight], HOT, slots[:straight])  # free hot slots: all at once
+        for block_id, tier in zip(ids[straight:].tolist(), tiers[straight:].tolist()):
             if capacities[HOT] > 0 and sim.make_room(HOT, 1):
                 sim.move(block_id, tier, HOT)
             elif tier == COLD and capacities[WARM] > 0 and sim.make_room(WARM, 1):
                 sim.move(block_id, tier, WARM)
-        return Plan(moves=sim.moves)
+        return sim.plan()
 
     def plan_demotion(
         self,
@@ -137,15 +149,15 @@ class MemScheduler:
         `dst_tier` runs out of room the rest stay where they are (a partial plan, never an error)."""
         if capacities[dst_tier] == 0:
             return Plan()
-        sim = self._simulation(index, free_slots, capacities, movable_test(frozenset(block_ids), is_pinned))
-        for block_id in block_ids:
-            tier = sim.tier(block_id)
-            if tier == DROPPED or tier >= dst_tier or (is_pinned is not None and is_pinned(block_id)):
-                continue
+        ids, tiers, slots = self._candidates(block_ids, index, is_pinned, lambda tiers: tiers < dst_tier)
+        sim = self._simulation(index, free_slots, capacities, movable_test(as_ids(block_ids), is_pinned))
+        straight = min(len(ids), max(0, sim.free[dst_tier]))
+        sim.move_bulk(ids[:straight], tiers[:straight], dst_tier, slots[:straight])  # room there: all at once
+        for block_id, tier in zip(ids[straight:].tolist(), tiers[straight:].tolist()):
             if not sim.make_room(dst_tier, 1):
                 break
             sim.move(block_id, tier, dst_tier)
-        return Plan(moves=sim.moves)
+        return sim.plan()
 
     def plan_background(
         self,
@@ -176,7 +188,7 @@ class MemScheduler:
         background.demote_idle(sim, index, capacities, max_moves, self.access_log, self.settings.idle_steps)
         if self.promotes_by_locality:
             background.promote_by_locality(sim, index, capacities, watermarks, max_moves, self.locality)
-        return Plan(moves=sim.moves)
+        return sim.plan()
 
     def idle_outlook(self, index: IndexView, capacities: list[int]) -> tuple[int | None, bool]:
         """After a background plan: (the earliest store step at which one more hot block may

@@ -116,20 +116,6 @@ class TurnHeat(_PolicyBase):
         return np.where(in_use, heat + _IN_USE, heat)
 
 
-class PolicyName(str):
-    """A policy's name (MemScheduler.policy) that also equals the policy's former names
-    (config.POLICY_ALIASES): code that still compares it with "ali" (store/mover.py's wake-up for
-    ALI promotion) keeps meaning the turns policy. Prints, hashes and serializes as the name."""
-
-    def __eq__(self, other) -> bool:
-        return str.__eq__(self, other) or (isinstance(other, str) and POLICY_ALIASES.get(str(other)) == str(self))
-
-    def __ne__(self, other) -> bool:
-        return not self.__eq__(other)
-
-    __hash__ = str.__hash__
-
-
 POLICIES: dict[str, type[_PolicyBase]] = {"lru": Lru, "lfu": Lfu, "fifo": Fifo, "turns": TurnHeat}
 
 

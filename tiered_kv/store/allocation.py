@@ -77,17 +77,14 @@ class Allocation:
                                                        keep, movable)
                 if plan is None:
                     self._no_room(owner, num_blocks, result)
-                if not plan.moves:
+                if not plan.num_moves:
                     block_ids = self._place(plan.new_block_tiers, follow, owner)
                     state.pin_more(owner, block_ids)
                     return block_ids
-                batch = store.transfers.prepare(plan.moves, ON_DEMAND, movable)
-                if not batch.transfers:
-                    if batch.settled_at_prepare:
-                        continue
-                    raise Retry()  # the moves need slots that copies in flight still hold
-            store.demand.run_batch(batch)
-            result.add(batch)
+                first, rest = store.demand.prepare_parts(plan, movable)
+            settled, copied, _ = store.demand.pipeline(first, rest, movable, result)
+            if not copied and not settled:
+                raise Retry()  # the moves need slots that copies in flight still hold
         raise Retry()
 
     def _no_room(self, owner: int, num_blocks: int, result: DemandResult) -> None:
@@ -108,11 +105,11 @@ class Allocation:
         for count, previous in follow or [(len(tiers), None)]:
             group = tiers[start:start + count]
             start += count
-            hot_slots = self._hot_slots(group.count(HOT), previous, follow is not None, owner)
+            hot_slots = iter(self._hot_slots(group.count(HOT), previous, follow is not None, owner))
             if COLD in group:
                 state.cold_room(group.count(COLD))  # slots holding only durable copies give way
             for tier in group:
-                slot = hot_slots.pop(0) if tier == HOT else state.pools[tier].allocate(1)[0]
+                slot = next(hot_slots) if tier == HOT else state.pools[tier].allocate(1)[0]
                 block_ids.append(state.index.add(tier, slot))
         return block_ids
 
@@ -148,12 +145,12 @@ class Allocation:
         with store.lock:
             batch = store.transfers.prepare_copies(list(zip(copies, sources)), ON_DEMAND)
         store.demand.run_batch(batch)
-        if batch.corrupt or any(t.corrupt for t in batch.transfers):
+        if batch.any_corrupt():
             with store.lock:
                 store.state.release([b for b in copies if b in store.state.index])
             raise CorruptBlockError(f"blocks {sources} failed their checksum while being copied and must be "
                                     "recomputed")
-        if batch.failed:  # complete() freed the copies whose bytes never landed
+        if batch.failed_parts:  # complete() freed the copies whose bytes never landed
             with store.lock:
                 store.state.release([b for b in copies if b in store.state.index])
             raise batch.failure

@@ -11,10 +11,11 @@ def check_consistent(state) -> list[str]:
     every used slot belongs to exactly one block, a quarantined slot, a reservation of a block in
     flight, or a deferred free; nothing is pinned or in flight once everything ended."""
     problems = []
-    in_flight_dst = {(t.dst_tier, t.dst_slot) for t in state.in_flight.values()}
-    problems += [f"block {b} is still in flight in a batch that completed" for b, t in state.in_flight.items()
-                 if t.batch.completed]
-    deferred = {(tier, slot) for tier, slots, _ in state._deferred_frees for slot in slots}
+    groups = state.in_flight.groups()  # (a block freed while in flight keeps its reservation until complete)
+    in_flight_dst = {(g.dst_tier, slot) for g in groups for slot in g.dst_slots.tolist()}
+    problems += [f"block {b} is still in flight in a batch that completed" for b, g in state.in_flight.items()
+                 if g.batch.completed]
+    deferred = {(tier, int(slot)) for tier, slots, _ in state._deferred_frees for slot in slots}
     quarantined = state.quarantined_slots()
     copy_slots = dict(state.copies.slot_of) if state.copies else {}  # block -> cold slot of its copy
     copies = {(COLD, slot) for slot in copy_slots.values()}

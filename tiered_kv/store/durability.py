@@ -73,10 +73,10 @@ def flush(store, timeout_s: float) -> bool:
             state.drain()
             due = state.copies.due(time.monotonic(), 1.0, len(state.copies.pending), force=True)
             batch, no_room = write_behind.prepare_backups(store.transfers, due, ON_DEMAND) if due else (None, 0)
-            busy = any(t.kind == BACKUP for t in state.in_flight.values())
+            busy = any(g.kind == BACKUP for g in state.in_flight.groups())
         if no_room:
             complete = False  # cold is full of blocks of its own: those copies wait for room
-        if batch is not None and batch.transfers:
+        if batch is not None and batch.groups:
             store.demand.run_batch(batch)
         elif no_room and not busy:
             break

@@ -16,28 +16,33 @@ def drop_cached_that_failed_into_cold(state, batch: TransferBatch) -> None:
     """A cached block (no chat holds it) whose move into cold failed to write is dropped: it was
     only a cache copy, and the room it held above is what the caller needed."""
     dropped = 0
-    for t in batch.failed:
-        entry = state.index.peek(t.block_id)
-        if t.kind == MOVE and t.dst_tier == COLD and entry is not None and entry.ref_count == 0 \
-                and entry.tier == t.src_tier and not state.is_pinned(t.block_id):
-            dropped += state.evict(t.block_id)
+    for group, positions in batch.failed_parts:
+        if group.kind != MOVE or group.dst_tier != COLD:
+            continue
+        for block_id in group.block_ids[positions].tolist():
+            entry = state.index.peek(block_id)
+            if entry is not None and entry.ref_count == 0 and entry.tier == group.src_tier \
+                    and not state.is_pinned(block_id):
+                dropped += state.evict(block_id)
     state.report_evictions(dropped, "a failed write into cold")
 
 
 def report(metrics, warnings, batch: TransferBatch, error: BaseException) -> None:
     """Counted always; one warning per interval (a full disk fails every batch): what failed,
     why (the errno name, the file), and that the blocks stay where they were."""
-    metrics.failed_moves.inc((batch.mode, error_name(error)), len(batch.failed))
+    num_failed = batch.num_failed
+    metrics.failed_moves.inc((batch.mode, error_name(error)), num_failed)
     if batch.quiet:
         return
     directions: dict[str, int] = {}
-    for t in batch.failed:
-        direction = f"{TIER_NAMES[t.src_tier] if t.src_tier >= 0 else 'host'}->{TIER_NAMES[t.dst_tier]}"
-        directions[direction] = directions.get(direction, 0) + 1
-    sources = sorted({TIER_NAMES[t.src_tier] for t in batch.failed if t.src_tier >= 0})
+    for group, positions in batch.failed_parts:
+        source = TIER_NAMES[group.src_tier] if group.src_tier >= 0 else "host"
+        direction = f"{source}->{TIER_NAMES[group.dst_tier]}"
+        directions[direction] = directions.get(direction, 0) + len(positions)
+    sources = sorted({TIER_NAMES[g.src_tier] for g, positions in batch.failed_parts if g.src_tier >= 0 and len(positions)})
     where = f", {error.filename}" if getattr(error, "filename", None) else ""
     warnings.warning(
         "%s move of %d block(s) (%s) failed (%s: %s%s): nothing moved, they stay in %s",
-        "background" if batch.mode == BACKGROUND else "on-demand", len(batch.failed),
+        "background" if batch.mode == BACKGROUND else "on-demand", num_failed,
         ", ".join(f"{n} {d}" for d, n in directions.items()), error_name(error),
         getattr(error, "strerror", None) or error, where, " and ".join(sources) or "place")

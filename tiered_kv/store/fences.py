@@ -100,27 +100,34 @@ class StepFences:
         self._records = tuple(records)
 
     def for_slots(self, tier: int, slots) -> tuple[CopyEvent, ...]:
-        """The pending fences of steps that used any of `slots` of `tier` (lock held)."""
+        """The pending fences of steps that used any of `slots` (a list or an int64 array) of
+        `tier` (lock held)."""
         if not self._records or tier not in FENCED_TIERS:
             return ()
         live = tuple(r for r in self._records if not r.fence.done())
         self._records = live
+        if not live:
+            return ()
+        slots = slots.tolist() if isinstance(slots, np.ndarray) else slots
         return tuple(r.fence for r in live if not r.slots(tier).isdisjoint(slots))
 
     def for_transfers(self, transfers) -> tuple[CopyEvent, ...]:
-        """The pending fences of steps that used a slot the transfers read or write (no lock).
-        One met through a warm slot is a HostFence: copies of pinned host memory may run as
-        host code (a gather into cold's staging), which only a host wait orders."""
+        """The pending fences of steps that used a slot the transfers read or write (no lock):
+        `transfers` are a batch's TransferGroups (`src_slots`, `dst_slots`: int64 arrays) or
+        single copies (`src_slot`, `dst_slot`). One met through a warm slot is a HostFence: copies
+        of pinned host memory may run as host code (a gather into cold's staging), which only a
+        host wait orders."""
         records = self._records
-        if not records:
+        if not records or all(r.fence.done() for r in records):
             return ()
-        wanted: dict[int, set[int]] = {tier: set() for tier in FENCED_TIERS}
+        wanted: dict[int, list] = {tier: [] for tier in FENCED_TIERS}
         for t in transfers:
+            group = getattr(t, "src_slots", None) is not None
             if t.src_tier in wanted:
-                wanted[t.src_tier].add(t.src_slot)
+                wanted[t.src_tier].append(t.src_slots if group else np.array([t.src_slot], dtype=np.int64))
             if t.dst_tier in wanted:
-                wanted[t.dst_tier].add(t.dst_slot)
-        hot, warm = wanted[HOT], wanted[WARM]
+                wanted[t.dst_tier].append(t.dst_slots if group else np.array([t.dst_slot], dtype=np.int64))
+        hot, warm = (np.concatenate(wanted[tier]).tolist() if wanted[tier] else [] for tier in (HOT, WARM))
         fences = []
         for r in records:
             if r.fence.done():

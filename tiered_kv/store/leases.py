@@ -20,7 +20,10 @@ import torch
 
 from ..blocks import HOT
 from ..errors import CorruptBlockError
+from ..scheduler.plan import MoveList
 from .token_map import TierRun
+
+_NO_MOVES = MoveList()  # a decode step's extended lease moved nothing (shared: never added to)
 
 
 @dataclass
@@ -91,14 +94,14 @@ class LeaseRow:
 
 
 class StepLease:
-    def __init__(self, host, owner: int, num_tokens: int, num_new_tokens: int, rows: list[LeaseRow], moves: list,
+    def __init__(self, host, owner: int, num_tokens: int, num_new_tokens: int, rows: list[LeaseRow], moves: MoveList,
                  reads_host_tiers: bool, placement_version: int, block_ids: np.ndarray):
         self._host = host  # the store's Opening: mapper, tiers, mark_corrupt, end_lease
         self.owner = owner
         self.num_tokens = num_tokens
         self.num_new_tokens = num_new_tokens
         self.rows = rows
-        self.moves = moves  # the moves opening made (undone by abort)
+        self.moves = moves  # the moves opening made, as a MoveList (undone by abort)
         self.reads_host_tiers = reads_host_tiers
         self.placement_version = placement_version  # the index's when the rows were placed
         self.block_ids = block_ids  # every block the step reads or writes, once (not mutated: logs keep it)
@@ -110,7 +113,7 @@ class StepLease:
     def extended(self, num_new_tokens: int) -> "StepLease":
         """The lease of the chat's next decode step over the same blocks (opening.open_decode)."""
         return StepLease(self._host, self.owner, self.num_tokens + num_new_tokens, num_new_tokens,
-                         [row.extended(num_new_tokens) for row in self.rows], [], self.reads_host_tiers,
+                         [row.extended(num_new_tokens) for row in self.rows], _NO_MOVES, self.reads_host_tiers,
                          self.placement_version, self.block_ids)
 
     @property

@@ -22,12 +22,14 @@ import time
 import weakref
 from collections import OrderedDict
 
-from ..blocks import COLD, DROPPED, HOT, WARM
+from ..blocks import COLD, HOT, WARM
 from ..hw.block_io import ColdWriteError
 from ..metrics.registry import BACKGROUND, ON_DEMAND
 from ..scheduler import Plan
+from ..scheduler.arrays import ABSENT, as_ids, placements_of
 from . import write_behind
 from .copies import BACKUP
+from .leave_alone import LeaveAlone
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ class Mover:
     # ---- requests (store lock held by the caller) -----------------------------------------------
     def request_prefetch(self, owner: int, block_ids: list[int], deadline: float | None = None) -> None:
         """Bring `block_ids` up, most wanted first, until `deadline` (time.monotonic(); None: until done)."""
-        self._requests[owner] = (list(block_ids), deadline)
+        self._requests[owner] = (as_ids(block_ids).copy(), deadline)
         self._requests.move_to_end(owner)
         # until its next step, the chat is about to be read: no optional move takes its blocks
         # down again (its ALI or read count may be low: it has been idle)
@@ -108,8 +110,7 @@ class Mover:
         failed = self._failed_until
         if not expected and not failed:
             return state.is_pinned
-        return lambda block_id: state.is_pinned(block_id) or block_id in failed or \
-            any(block_id in blocks for blocks in expected)
+        return LeaveAlone(state, extra=(failed, *expected))
 
     def wake(self) -> None:
         self._wake.set()
@@ -159,10 +160,10 @@ class Mover:
             if batch is None:
                 if plan is None:
                     plan, leave_alone = self._next_plan()
-                if plan is None or not plan.moves:
+                if plan is None or not plan.num_moves:
                     return False
-                batch = store.transfers.prepare(plan.moves, BACKGROUND, leave_alone)
-                if not batch.transfers:
+                batch = store.transfers.prepare(plan, BACKGROUND, leave_alone)
+                if not batch.groups:
                     return batch.settled_at_prepare > 0
             self.busy = True
         try:
@@ -175,14 +176,13 @@ class Mover:
         return batch.failure is None  # after a failed batch, wait for the next interval
 
     def _after(self, batch) -> None:
-        if batch.failed:
+        if batch.failed_parts:
             retry_at = time.monotonic() + FAILED_MOVE_BACKOFF_S
-            for t in batch.failed:
-                self._failed_until[t.block_id] = retry_at
+            self._failed_until.update(dict.fromkeys(batch.failed_block_ids().tolist(), retry_at))
         self.num_batches += 1
         moved = self.store.transfers.moved_bytes  # (an eviction carries nothing)
-        self.bytes_moved += sum(moved.get((t.src_tier, t.dst_tier), 0) for t in batch.committed)
-        into_cold = any(t.dst_tier == COLD for t in batch.transfers)
+        self.bytes_moved += sum(moved.get(direction, 0) * count for direction, count in batch.committed.counts().items())
+        into_cold = any(g.dst_tier == COLD for g in batch.groups)
         if isinstance(batch.failure, ColdWriteError) and into_cold:
             self._cold_retry_pending = True
             self._cold_retry_at = time.monotonic() + self._cold_backoff_s
@@ -201,7 +201,7 @@ class Mover:
             return None
         due = copies.due(time.monotonic(), interval_s, self.batch_blocks)
         batch = write_behind.prepare_backups(store.transfers, due, BACKGROUND)[0] if due else None
-        return batch if batch is not None and batch.transfers else None
+        return batch if batch is not None and batch.groups else None
 
     def _turn_is_moving(self) -> bool:
         """A caller's own moves (a turn's room and history) are in flight, or the copy engine has
@@ -209,7 +209,7 @@ class Mover:
         next turn's). The queue-depth signal of every machine (NVML's link load is the GPU's). A
         queue busy with units no turn is waiting for holds background back QUEUE_YIELD_MAX_S at most."""
         store = self.store
-        if any(t.batch.mode == ON_DEMAND and t.kind != BACKUP for t in store.state.in_flight.values()):
+        if any(g.batch.mode == ON_DEMAND and g.kind != BACKUP for g in store.state.in_flight.groups()):
             return True
         if store.copy_engine.queue_depth() == 0:
             self._queue_busy_since = None
@@ -228,8 +228,9 @@ class Mover:
         now = time.monotonic()
         while self._requests:
             owner, (block_ids, deadline) = next(iter(self._requests.items()))
-            present = [b for b in block_ids if b in state.index]
-            below = any(state.index.get(b).tier not in (HOT, DROPPED) for b in present)
+            tiers, _ = placements_of(state.index, block_ids)  # (ABSENT: freed since the request)
+            present = block_ids[tiers != ABSENT]
+            below = bool(((tiers >= 0) & (tiers != HOT)).any())  # (DROPPED: corrupt, nothing to bring up)
             if not below or (deadline is not None and now >= deadline):
                 self.num_expired += below
                 del self._requests[owner]
@@ -240,8 +241,8 @@ class Mover:
             # its own blocks in a loop until its turn came)
             plan = store.scheduler.plan_promotion(present, state.index, state.free_slots(), state.capacities,
                                                   leave_alone)
-            if plan.moves:
-                return Plan(moves=plan.moves[:self.batch_blocks]), leave_alone
+            if plan.num_moves:
+                return plan.head(self.batch_blocks), leave_alone
             del self._requests[owner]  # nothing more can come up now
         return None, None
 
@@ -255,7 +256,7 @@ class Mover:
             plan = store.scheduler.plan_background(state.index, state.free_slots(), state.capacities,
                                                    store.watermarks, leave_alone, self.batch_blocks)
             plan = self._without_cold_moves_while_backing_off(plan)
-            if plan.moves:
+            if plan.num_moves:
                 self._quiet = None
                 return plan, leave_alone
             # nothing to do: plan again only once something a plan reads changed (see below)
@@ -267,7 +268,7 @@ class Mover:
         if time.monotonic() >= self._cold_retry_at:
             return plan
         self._cold_retry_pending = True  # plan again when the backoff ends, even if nothing changed
-        return dataclasses.replace(plan, moves=[m for m in plan.moves if m.dst_tier != COLD])
+        return plan.take(plan.dst_tiers != COLD)
 
     def _background_may_have_work(self) -> bool:
         """False while nothing a background plan reads changed since one came back empty: O(1),
@@ -299,7 +300,7 @@ class Mover:
         if quiet.idle_stuck:
             return True
         window = store.access_log.window_steps
-        return store.scheduler.policy == "ali" and self._lower_read_step >= now - max(1, window // 10) \
+        return store.scheduler.promotes_by_locality and self._lower_read_step >= now - max(1, window // 10) \
             and any(capacities[t] and used[t] < marks.low_blocks[t] for t in (HOT, WARM))
 
     def _can_demote(self, tier: int, free: tuple[int, ...]) -> bool:

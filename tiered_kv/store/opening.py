@@ -26,7 +26,6 @@ import numpy as np
 from ..blocks import HOT, TIER_NAMES, tier_counts
 from ..metrics.registry import BACKGROUND, ON_DEMAND
 from .allocation import Retry
-from .copies import BACKUP
 from .leases import LeaseRow, StepLease, StepRequest, reads_host
 from .reporting import count_turn_start
 from .step_build import StepBuild
@@ -88,16 +87,16 @@ class Opening:
                 and (index.get(table[-1]).ref_count > 1 or index.get(table[-1]).key is not None)]
 
     def _in_demand_flight(self, block_set: set[int]) -> bool:
-        return any(t.batch.mode == ON_DEMAND and t.kind != BACKUP and b in block_set
-                   for b, t in self.store.state.in_flight.items())
+        """Some block of the step is in another caller's on-demand move (not a backup: it does
+        not move its block)."""
+        return self.store.state.in_flight.any_moving(block_set, ON_DEMAND)
 
     def _cancel_background(self, block_set: set[int]) -> None:
-        in_flight = self.store.state.in_flight
-        for block_id in [b for b, t in in_flight.items() if t.batch.mode == BACKGROUND and b in block_set
-                         and t.kind != BACKUP]:  # (a backup does not move its block)
-            in_flight[block_id].cancelled = True
-            if self.store.mover is not None:
-                self.store.mover.num_cancelled += 1
+        """Cancel the background moves of the step's blocks (each counted once): they stay where
+        the step maps them."""
+        cancelled = self.store.state.in_flight.cancel_moves(block_set, BACKGROUND)
+        if cancelled and self.store.mover is not None:
+            self.store.mover.num_cancelled += cancelled
 
     def _finish(self, build: "StepBuild") -> StepLease:
         store, state, request = self.store, self.store.state, build.request
@@ -127,7 +126,7 @@ class Opening:
         cache.placement_version = state.index.placement_version
         block_ids = np.fromiter(dict.fromkeys(itertools.chain(request.block_set, build.allocated)), dtype=np.int64)
         counts = tier_counts([(row.tiers, None) for row in rows])
-        moved_down = any(m.dst_tier > m.src_tier for m in build.result.committed)
+        moved_down = build.result.committed.any_down()
         lease = StepLease(self, request.owner, request.num_tokens, request.num_new_tokens, rows, build.result.committed,
                           reads_host(rows, block_size), state.index.placement_version, block_ids)
         lease.tables, lease.tier_counts = tables, counts
@@ -150,7 +149,7 @@ class Opening:
         with store.lock:
             store.check_open()
             state.drain()
-            if state.in_flight and self._in_demand_flight(block_set):
+            if state.in_flight.blocks and self._in_demand_flight(block_set):
                 return None
             for tail in tails:  # (shared since, by a copy of the bank: copied on write by open_step)
                 entry = index.peek(tail)
@@ -159,7 +158,7 @@ class Opening:
             if index.placement_version != previous.placement_version and \
                     index.moved_since(previous.placement_version, block_set):
                 return None
-            if state.in_flight:
+            if state.in_flight.blocks:
                 self._cancel_background(block_set)
             state.pin(owner, block_set)
             lease = previous.extended(num_new_tokens)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from ..blocks import COLD
 from ..scheduler import Move, Plan
+from ..scheduler.arrays import as_ids, contains_mask
 from .allocation import pseudo_owner
 from .copies import BACKUP
 from .demand import DemandResult
@@ -34,12 +37,12 @@ class Placement:
                 store.access_log.announce_turn(owner, block_ids)
                 if store.mover is not None:
                     store.mover.drop_requests(owner)
-        self._wait_for_flights(set(block_ids))
+        ids = as_ids(block_ids)
+        self._wait_for_flights(ids)
 
         def make_plan(result: DemandResult) -> Plan:
-            wanted = [b for b in block_ids if b not in result.failed_blocks and b in state.index]
-            return store.scheduler.plan_promotion(wanted, state.index, state.free_slots(), state.capacities,
-                                                  state.is_pinned)
+            return store.scheduler.plan_promotion(_without(ids, result.failed_blocks), state.index,
+                                                  state.free_slots(), state.capacities, state.is_pinned)
 
         corrupt = store.demand.carry_out(make_plan, state.is_pinned).corrupt
         if store.mover is not None and owner is not None:
@@ -47,7 +50,7 @@ class Placement:
                 store.mover.expect(owner, block_ids)
         return corrupt
 
-    def _wait_for_flights(self, block_ids: set[int]) -> None:
+    def _wait_for_flights(self, block_ids: np.ndarray) -> None:
         """Until none of `block_ids` is in flight (charged to the caller as promote seconds)."""
         store = self.store
         start_s = time.perf_counter()
@@ -57,7 +60,8 @@ class Placement:
             version = store.change_version
             with store.lock:
                 in_flight = store.state.in_flight  # (a backup does not move its block: no wait for it)
-                if not any(b in in_flight and in_flight[b].kind != BACKUP for b in block_ids):
+                if not in_flight or not any(in_flight[b].kind != BACKUP for b in
+                                            block_ids[in_flight.contains_mask(block_ids.tolist())].tolist()):
                     break
             waited = True
             if not store.wait_for_change(version, deadline - time.monotonic()):
@@ -82,12 +86,11 @@ class Placement:
     def demote(self, block_ids: list[int], dst_tier: int) -> list[int]:
         """Move blocks down to `dst_tier` (WARM or COLD) as far as room allows (a move whose copy
         fails leaves its block where it was). Returns the ids found corrupt on the way."""
-        state, targets = self.store.state, list(block_ids)
+        state, targets = self.store.state, as_ids(block_ids)
 
         def make_plan(result: DemandResult) -> Plan:
-            wanted = [b for b in targets if b not in result.failed_blocks and b in state.index]
-            return self.store.scheduler.plan_demotion(wanted, dst_tier, state.index, state.free_slots(),
-                                                      state.capacities, state.is_pinned)
+            return self.store.scheduler.plan_demotion(_without(targets, result.failed_blocks), dst_tier, state.index,
+                                                      state.free_slots(), state.capacities, state.is_pinned)
 
         return self.store.demand.carry_out(make_plan, state.is_pinned).corrupt
 
@@ -98,7 +101,7 @@ class Placement:
         undone: set[int] = set()
 
         def make_plan(result: DemandResult) -> Plan:
-            undone.update(m.block_id for m in result.committed)
+            undone.update(result.committed.block_ids().tolist())
             back, free, tier_now = [], state.free_slots(), {}
             for move in reversed(moves):
                 b = move.block_id
@@ -145,6 +148,7 @@ class Placement:
         return bad
 
     def wait_for_background(self, timeout_s: float) -> bool:
+        """Until the mover has no request, no batch in flight and no compaction to do (False: not in time)."""
         store = self.store
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -156,3 +160,10 @@ class Placement:
                 mover.wake()
             time.sleep(0.005)
         return False
+
+
+def _without(block_ids: np.ndarray, failed: set[int]) -> np.ndarray:
+    """`block_ids` less the ones in `failed` (blocks whose move failed this call), in order."""
+    if not failed:
+        return block_ids
+    return block_ids[~contains_mask(failed, block_ids.tolist())]

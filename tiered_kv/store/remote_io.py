@@ -75,7 +75,7 @@ class RemoteIO:
             with store.lock:
                 batch = store.transfers.prepare_write_in(list(zip(block_ids, data)), ON_DEMAND)
             store.demand.run_batch(batch)
-            if batch.failed:
+            if batch.failed_parts:
                 with store.lock:  # complete() freed the blocks whose bytes never landed
                     store.state.release([b for b in block_ids if b in store.state.index])
                 return []
@@ -116,6 +116,6 @@ class RemoteIO:
         finally:
             with store.lock:
                 store.state.unpin(owner)
-        if batch.failure is not None or any(t.corrupt for t in batch.transfers):
+        if batch.failure is not None or batch.any_corrupt():
             return None
         return out.view(torch.uint8).numpy().reshape(-1)

@@ -18,7 +18,6 @@ keeps (docs/design.md):
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
 
 import numpy as np
@@ -29,35 +28,14 @@ from ..hw.copy_engine import CopyEvent
 from ..logs import Throttle
 from ..metrics.registry import Metrics
 from ..pool import SlotPool
+from ..scheduler.arrays import ABSENT, contains_mask, placements_of
 from .durable_copies import DurableCopies
 from .fences import StepFences
+from .in_flight import InFlight
+from .leave_alone import LeaveAlone
+from .lock import ChangeSignal
 
 log = logging.getLogger(__name__)
-
-
-class ChangeSignal:
-    """Tells threads waiting outside the store lock that something they may wait for happened (a
-    step ended, a transfer completed, blocks were released). Its own small lock, never the store's."""
-
-    def __init__(self) -> None:
-        self._condition = threading.Condition()
-        self.version = 0
-        self._waiters = 0
-
-    def bump(self) -> None:
-        with self._condition:
-            self.version += 1
-            if self._waiters:
-                self._condition.notify_all()
-
-    def wait(self, since: int, timeout_s: float) -> bool:
-        """Until `version` differs from `since` (True) or `timeout_s` passed (False)."""
-        with self._condition:
-            self._waiters += 1
-            try:
-                return self._condition.wait_for(lambda: self.version != since, timeout=max(0.0, timeout_s))
-            finally:
-                self._waiters -= 1
 
 
 class StoreState:
@@ -69,14 +47,16 @@ class StoreState:
         self.changes = ChangeSignal()
         self._pins: dict[int, tuple[set[int], set[int]]] = {}  # owner -> (its block set, blocks added since)
         self.leases: dict[int, object] = {}  # owner -> its StepLease while the step runs (leases.py)
-        self.in_flight: dict[int, object] = {}  # block id -> the Transfer copying it (transfers.py)
-        self._deferred_frees: list[tuple[int, list[int], tuple[CopyEvent, ...]]] = []  # (tier, slots, fences)
+        self.in_flight = InFlight()  # block id -> the TransferGroup copying it (in_flight.py)
+        self._deferred_frees: list[tuple[int, object, tuple[CopyEvent, ...]]] = []  # (tier, slots, fences)
         self.step_fences = StepFences()  # ended steps whose compute may still use their slots (fences.py)
         self._quarantined: list[tuple[int, int, int]] = []  # (block, tier, slot) of pinned corrupt blocks
         self._released_later: deque = deque()  # (block ids, step owner) of banks the collector took
         self._drop_warnings = Throttle(log)
         self.on_collected = None  # called with a collected bank's owner at drain (the store forgets the chat)
         self.copies: DurableCopies | None = None  # durable copies in cold of blocks above it (with a cold tier)
+        # a running step uses the block or a transfer copies it: no plan may move or drop it
+        self.is_pinned = LeaveAlone(self)
 
     def bind(self, tiers: list, pools: list[SlotPool]) -> None:
         self.tiers, self.pools = tiers, pools
@@ -111,10 +91,11 @@ class StoreState:
         self.metrics.adopted_copies.inc()
 
     def placements(self, block_ids) -> tuple[np.ndarray, np.ndarray]:
-        """(tier, slot) of each block, as two int64 arrays (DROPPED for a corrupt block)."""
-        entries = [self.index.get(b) for b in block_ids]
-        tiers = np.fromiter((e.tier for e in entries), dtype=np.int64, count=len(entries))
-        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        """(tier, slot) of each block, as two int64 arrays (DROPPED for a corrupt block); KeyError
+        for a block not in the index."""
+        tiers, slots = placements_of(self.index, block_ids if isinstance(block_ids, np.ndarray) else list(block_ids))
+        if len(tiers) and tiers.min() == ABSENT:
+            self.index.get(int(np.asarray(block_ids).reshape(-1)[np.argmax(tiers == ABSENT)]))  # raises KeyError
         return tiers, slots
 
     # ---- pins ------------------------------------------------------------------------------------
@@ -146,20 +127,24 @@ class StoreState:
         return any(block_id in blocks or block_id in extra for owner, (blocks, extra) in self._pins.items()
                    if owner != except_owner)
 
-    def is_pinned(self, block_id: int) -> bool:
-        """A running step uses the block or a transfer copies it: no plan may move or drop it."""
-        return block_id in self.in_flight or self.is_pinned_by_step(block_id)
+    def pinned_mask(self, block_ids: list[int], except_owner: int | None = None) -> np.ndarray:
+        """Which of `block_ids` (a list of ints) a step other than `except_owner`'s pins, as a bool array."""
+        mask = np.zeros(len(block_ids), dtype=bool)
+        for owner, (blocks, extra) in self._pins.items():
+            if owner != except_owner:
+                mask |= contains_mask(blocks, block_ids)
+                mask |= contains_mask(extra, block_ids)
+        return mask
 
-    def movable_by(self, owner: int | None, protect: frozenset[int] = frozenset()):
+    def movable_by(self, owner: int | None, protect: frozenset[int] = frozenset()) -> "LeaveAlone":
         """A plan's predicate of blocks it must leave alone, for a plan made for `owner`'s step:
         blocks in flight, pinned by any other step, or in `protect`."""
         if owner is None and not protect:
             return self.is_pinned
-        in_flight = self.in_flight
-        return lambda b: b in in_flight or b in protect or self.is_pinned_by_step(b, except_owner=owner)
+        return LeaveAlone(self, owner, protect)
 
     def pinned_now(self) -> set[int]:
-        pinned = set(self.in_flight)
+        pinned = set(self.in_flight.keys())
         for blocks, extra in self._pins.values():
             pinned.update(blocks)
             pinned.update(extra)
@@ -167,16 +152,17 @@ class StoreState:
 
     def pins_key(self) -> tuple:
         """Which steps pin blocks and which blocks are in flight (compaction's "nothing changed" key)."""
-        return tuple(sorted(self._pins)), tuple(sorted(self.in_flight))
+        return tuple(sorted(self._pins)), tuple(sorted(self.in_flight.keys()))
 
     # ---- freeing ---------------------------------------------------------------------------------
     def free_slot(self, tier: int, slot: int, after: CopyEvent | None = None) -> None:
         """Give a slot back, once `after` (a copy that may still use it) has passed."""
         self.free_slots_after(tier, [slot], after)
 
-    def free_slots_after(self, tier: int, slots: list[int], after: CopyEvent | None = None) -> None:
-        """Give slots of one tier back together, once `after` has passed (a batch's sources)."""
-        if not slots:
+    def free_slots_after(self, tier: int, slots, after: CopyEvent | None = None) -> None:
+        """Give slots of one tier (a list or an int64 array) back together, once `after` has passed
+        (a batch's sources)."""
+        if not len(slots):
             return
         fences = (after,) if after is not None else ()
         if self.step_fences:
@@ -184,12 +170,12 @@ class StoreState:
         if all(f.done() for f in fences):
             self._free_now(tier, slots)
         else:
-            self._deferred_frees.append((tier, list(slots), fences))
+            self._deferred_frees.append((tier, slots if isinstance(slots, np.ndarray) else list(slots), fences))
 
-    def _free_now(self, tier: int, slots: list[int]) -> None:
+    def _free_now(self, tier: int, slots) -> None:
         self.pools[tier].free(slots)
         if (forget := getattr(self.tiers[tier], "forget", None)) is not None:  # (a cold record; a block being filled)
-            forget(slots)
+            forget(slots.tolist() if isinstance(slots, np.ndarray) else slots)
 
     def drain(self) -> None:
         """Free the deferred slots whose copies passed; release what collected banks left."""
@@ -240,8 +226,7 @@ class StoreState:
             self.free_slot(COLD, slot)
         if entry.is_corrupt:  # its slot went back (or into quarantine) when it was marked
             return
-        if transfer is not None:
-            transfer.cancelled = True  # its copy may still read the slot: freed after it
+        if transfer is not None:  # (popping it cancelled its copy, which may still read the slot: freed after it)
             transfer.batch.frees.append((entry.tier, entry.slot))
         else:
             self.free_slot(entry.tier, entry.slot)
@@ -276,9 +261,7 @@ class StoreState:
         log.warning("block %d (%s slot %d%s) failed its checksum: it is never served; it is dropped and its "
                     "tokens must be recomputed", block_id, TIER_NAMES[entry.tier], entry.slot, where)
         self.metrics.checksum_failures.inc((TIER_NAMES[entry.tier],))
-        transfer = self.in_flight.pop(block_id, None)
-        if transfer is not None:
-            transfer.cancelled = True  # its copy may still read the slot: freed after it, or at unpin
+        transfer = self.in_flight.pop(block_id, None)  # (cancelled: its copy may still read the slot)
         if self.copies is not None and (slot := self.copies.pop(block_id)) is not None:
             self.free_slot(COLD, slot)
         if self.is_pinned_by_step(block_id):

@@ -4,9 +4,12 @@ when the step does not happen."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..blocks import COLD, HOT
 from ..errors import CorruptBlockError
 from ..scheduler import Plan
+from ..scheduler.arrays import as_ids
 from .demand import DemandResult
 from .leases import StepRequest
 
@@ -78,8 +81,10 @@ class StepBuild:
         new = frozenset(self.allocated)
         movable = state.movable_by(request.owner, new)  # this step's own new blocks stay where they are
 
+        ids = as_ids(order)  # (blocks gone from the index meanwhile: the planner leaves them out)
+
         def make_plan(result: DemandResult) -> Plan | None:
-            wanted = [b for b in order if b not in result.failed_blocks and b in state.index]
+            wanted = ids[~np.isin(ids, list(result.failed_blocks))] if result.failed_blocks else ids
             return store.scheduler.plan_promotion(wanted, state.index, state.free_slots(), state.capacities, movable)
 
         store.demand.carry_out(make_plan, movable, self.result)

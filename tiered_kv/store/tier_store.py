@@ -2,8 +2,8 @@
 
 A thin façade over components that own their state (docs/design.md):
   state.py       the block index, the tiers and their slot pools, pins, blocks in flight, deferred frees
-  transfers.py   the one path by which bytes move between tiers (prepare / launch / complete); failures.py
-  demand.py      moves a caller needs now, in rounds around the copies
+  transfers.py   the one path bytes move by (prepare/launch/complete), by arrays (batches.py, reserving.py, ...)
+  demand.py      moves a caller needs now, in rounds around the copies, sub-batches pipelined
   allocation.py  new blocks placed as high as room allows; copy-on-write copies
   opening.py     a step's lease: room, copy-on-write, promotion, pins, token runs, at once
   leases.py      what a forward pass holds while it reads and writes its blocks without the lock
@@ -211,7 +211,7 @@ class TierStore:
         tier_block_bytes = [stored.block_bytes for stored in building.stored_layouts(self.config, layout)]
         self.transfers = Transfers(self.state, self.copy_engine, self.metrics, self.link_monitor, tier_block_bytes,
                                    staging, self.rates)
-        self.demand = DemandMoves(self.lock, self.state, self.transfers)
+        self.demand = DemandMoves(self.lock, self.state, self.transfers, layout.block_bytes)
         self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.metrics)
         self.device_slab = DeviceSlab(tiers, self.device, layout.block_size)
         self.layout, self.dtype = layout, dtype

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from ..blocks import COLD, HOT, WARM
 from ..logs import error_name
-from .batches import Transfer, TransferBatch
+from .batches import TransferBatch, TransferGroup
 from .copies import BACKUP
 
 
@@ -49,41 +51,49 @@ def prepare_backups(transfers, block_ids: list[int], mode: str) -> tuple[Transfe
         copies.retry_later(block_id, now)
     no_room = max(0, len(wanted) - free)
     wanted = wanted[:free]
-    slots = pool.allocate(len(wanted)) or []
-    for (block_id, entry), slot in zip(wanted, slots):
-        t = Transfer(block_id, entry.tier, entry.slot, COLD, slot, batch, kind=BACKUP)
-        in_flight[block_id] = t
-        batch.transfers.append(t)
+    slots = pool.allocate_array(len(wanted))
+    if slots is None or not len(wanted):
+        return batch, no_room
+    for tier in (HOT, WARM):  # a group per source tier
+        rows = [i for i, (_, entry) in enumerate(wanted) if entry.tier == tier]
+        if rows:
+            group = TransferGroup(batch, BACKUP, tier, COLD, np.array([wanted[i][0] for i in rows], dtype=np.int64),
+                                  np.array([wanted[i][1].slot for i in rows], dtype=np.int64), slots[rows])
+            state.in_flight.add(group)
+            batch.groups.append(group)
     return batch, no_room
 
 
-def complete_backups(transfers, backups: list[Transfer], error, landed: dict, given_back: dict) -> None:
+def complete_backups(transfers, backups: list[TransferGroup], error, landed: dict, given_back: dict) -> None:
     """Commit the backups whose copy landed: the block's copy, persisted; the others give their slot back."""
     state, metrics = transfers.state, transfers.metrics
     cold, copies, now = state.tiers[COLD], state.copies, time.monotonic()
-    failed = 0
-    for t in backups:
-        if state.in_flight.get(t.block_id) is t:
-            del state.in_flight[t.block_id]
-        entry = state.index.peek(t.block_id)
-        still_there = entry is not None and entry.tier == t.src_tier and entry.slot == t.src_slot \
-            and entry.key is not None and t.block_id not in copies
-        if error is None and still_there and not t.cancelled and not t.corrupt and cold is not None:
-            try:
-                cold.persist(t.dst_slot, entry.key, entry.root)
-            except ValueError:  # the tier is closing (or the record is not whole): no copy after all
-                given_back.setdefault(COLD, []).append(t.dst_slot)
+    failed = written = 0
+    back = given_back.setdefault(COLD, [])
+    for group in backups:
+        state.in_flight.settle(group)
+        src_tier, cancelled, corrupt = group.src_tier, group.cancelled.tolist(), group.corrupt.tolist()
+        for i, (block_id, src_slot, dst_slot) in enumerate(zip(group.block_ids.tolist(), group.src_slots.tolist(),
+                                                                group.dst_slots.tolist())):
+            entry = state.index.peek(block_id)
+            still_there = entry is not None and entry.tier == src_tier and entry.slot == src_slot \
+                and entry.key is not None and block_id not in copies
+            if error is None and still_there and not cancelled[i] and not corrupt[i] and cold is not None:
+                try:
+                    cold.persist(dst_slot, entry.key, entry.root)
+                except ValueError:  # the tier is closing (or the record is not whole): no copy after all
+                    back.append(np.array([dst_slot], dtype=np.int64))
+                    continue
+                copies.add(block_id, dst_slot)
+                landed[(src_tier, COLD)] = landed.get((src_tier, COLD), 0) + 1
+                written += 1
                 continue
-            copies.add(t.block_id, t.dst_slot)
-            landed[(t.src_tier, COLD)] = landed.get((t.src_tier, COLD), 0) + 1
-            continue
-        given_back.setdefault(COLD, []).append(t.dst_slot)
-        if error is not None and still_there:
-            failed += 1
-            copies.retry_later(t.block_id, now)  # the mover backs off after a failed write into cold
+            back.append(np.array([dst_slot], dtype=np.int64))
+            if error is not None and still_there:
+                failed += 1
+                copies.retry_later(block_id, now)  # the mover backs off after a failed write into cold
     if failed:
         metrics.copies_failed.inc((error_name(error),), failed)
-    written = len(backups) - failed
     if written:
         metrics.copies_written.inc((), written)
 
