@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiered_kv.chat import DEFAULT_USER_MESSAGES, run_chat  # noqa: E402
+from tiered_kv.chat import DEFAULT_MAX_NEW_TOKENS, DEFAULT_USER_MESSAGES, run_chat  # noqa: E402
 from tiered_kv.config import default_config_path, load_config  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="merge,exact", help="hooks modes, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--turns", default="6,7,8", help="the turns whose decode speed is compared")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="the chat CLI's default")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
     args.mode_list = [m for m in args.modes.split(",") if m]
