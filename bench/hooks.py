@@ -11,7 +11,7 @@ then crop back; rounds interleave the cases, medians reported):
   bank           CacheBank, everything hot, no hooks
   hooks          CacheBank, everything hot, hooks installed (exact)
   split-nohooks  hot = `--hot-share` of the chat's KV, the rest warm, no hooks
-  split-exact    same split, hooks exact (history gathered by the stream worker a layer ahead)
+  split-exact    same split, hooks exact (hot and warm history gathered by one index per layer)
   split-merge    same split, hooks merge (hot part read in place, partials merged by LSE)
 ttft cases (each round: the next turn's `--turn-tokens` new tokens over the history, one generated
 token, then the bank is cut back to the history):
@@ -57,8 +57,6 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cases", default=",".join(DECODE_CASES + TTFT_CASES))
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--cpu-streaming", choices=("auto", "on", "off"), default="auto",
-                   help="fetch lower-tier history a layer ahead in a thread on CPU (auto: only with a spare core)")
     p.add_argument("--tiny", action="store_true", help="a random 2-layer model (smoke test size)")
     p.add_argument("--json", default=None, metavar="PATH")
     return p.parse_args(argv)
@@ -92,8 +90,6 @@ def fill(cache, past: DynamicCache) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from tiered_kv.hooks import reads
-    reads.CPU_STREAMING = args.cpu_streaming
     torch.manual_seed(0)
     cases = [c for c in args.cases.split(",") if c]
     model, vocab = load(args.tiny)
@@ -160,7 +156,7 @@ def main(argv=None) -> dict:
 
     result = {
         "context_tokens": n, "decode_tokens": args.decode_tokens, "turn_tokens": args.turn_tokens,
-        "rounds": args.rounds, "block_size": bs, "cpu_streaming": args.cpu_streaming,
+        "rounds": args.rounds, "block_size": bs,
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tiny": args.tiny, "load_average": load_avg,
         "decode_tokens_per_s": {c: med[c] for c in cases if not c.startswith("ttft")},
         "ttft_s": {c: med[c] for c in cases if c.startswith("ttft")},

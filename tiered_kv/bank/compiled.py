@@ -52,8 +52,10 @@ def can_compile(bank) -> bool:
 
 def answer_is_compileable(bank, caller) -> bool:
     """`cache.is_compileable` as each of transformers' callers (`caller`, the asking frame) means it:
-    - generate's `_valid_auto_compile_criteria`: may this generate compile? Yes when the bank can;
-      the bank notes whether it will (its generation config and device, as that check reads them);
+    - generate's `_valid_auto_compile_criteria`: may this generate compile? Only when it was given
+      a `compile_config` (transformers would otherwise compile every CUDA generate with a
+      compileable cache: the bank opts in, it does not impose), on a device it compiles on; the
+      bank notes the answer;
     - `prepare_inputs_for_generation`, every step: shall generate build the step's mask outside the
       model? Only in a generate that compiles: that is where the bank prepares each step;
     - the mask functions inside an eager forward: False, so masks (and so the logits) are those of
@@ -64,22 +66,24 @@ def answer_is_compileable(bank, caller) -> bool:
     name = caller.f_code.co_name
     if name == "_valid_auto_compile_criteria":
         bank.steps.generate_compiles = _generate_compiles(caller.f_locals)
-        return True
+        return bank.steps.generate_compiles
     if name == "prepare_inputs_for_generation":
         return bank.steps.generate_compiles
     return caller.f_globals.get("__name__") != "transformers.masking_utils"
 
 
 def _generate_compiles(local_vars: dict) -> bool:
-    """Whether the generate() whose `_valid_auto_compile_criteria` asks will compile: its config
-    does not disable it and its device is one transformers compiles on (every device when the
-    compile config says `_compile_all_devices`)."""
+    """Whether the generate() whose `_valid_auto_compile_criteria` asks will compile: it was given a
+    compile config, does not disable compiling, and runs on a device transformers compiles on
+    (every device when the compile config says `_compile_all_devices`)."""
     config, model = local_vars.get("generation_config"), local_vars.get("self")
     if config is None or model is None or getattr(config, "disable_compile", False):
         return False
     compile_config = getattr(config, "compile_config", None)
+    if compile_config is None:
+        return False
     return getattr(getattr(model, "device", None), "type", "cpu") in ("cuda", "xpu", "neuron", "tpu", "mps") or \
-        bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", False))
+        bool(getattr(compile_config, "_compile_all_devices", False))
 
 
 def expected(steps) -> bool:
