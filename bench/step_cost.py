@@ -212,10 +212,14 @@ def main(argv=None) -> dict:
         "counts": counts, "step_s": step_s, "samples_s": samples, "placement": placement,
         "max_logit_diff": max_logit_diff, "summary": summary,
     }
+    # how each bank's steps read (views of one run of the slab, a gather, ...): the crop between rounds
+    # leaves a cut-off full block cached where the next one would have gone, so later rounds gather
+    result["steps_by_read"] = {case: cache.stats()["hooks"]["steps_by_read"] for case, cache in caches.items()
+                               if hasattr(cache, "stats")}
     for cache in caches.values():
         if hasattr(cache, "close"):
             cache.close()
-    print(json.dumps({k: result[k] for k in ("counts", "step_s", "summary", "max_logit_diff")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("counts", "step_s", "summary", "max_logit_diff", "steps_by_read")}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

@@ -117,7 +117,7 @@ class StepPlan:
             self.write_v[layer].index_copy_(2, self.write_index, value)
         else:
             self._write(layer, key, value)
-        torch.index_select(self.gather_sources[layer], 2, self.gather_index, out=self.gather_out)
+        torch.index_select(self.gather_sources[layer], 0, self.gather_index, out=self.gather_out)
         if layer == self.last_layer:
             self.on_last_layer()
         return self.read_k, self.read_v
@@ -259,11 +259,16 @@ def _prepare_block_gather(plan: StepPlan, slab: DeviceSlab, buffer: GatherBuffer
 
     def make(out):  # out [2, B, H, blocks, bs * D]: what the gather fills, then K and V by token
         tokens = out.view(2, num_rows, heads, num_blocks * bs, dim)
-        gather_out = out.view(2, heads, num_blocks, bs * dim) if num_rows == 1 else out
+        gather_out = out.view(2 * heads * num_blocks, bs * dim) if num_rows == 1 else out
         return gather_out, tokens[0], tokens[1]
 
     plan.gather_out, keys, values = buffer.views((2, num_rows, heads, num_blocks, bs * dim), dtype, device, make)
     plan.read_k, plan.read_v = keys[:, :, :num_tokens], values[:, :, :num_tokens]
+    if num_rows == 1:  # rows of whole blocks: (K or V, head, block) -> a row of the slab's block rows
+        plan.gather_sources = slab.layers_block_rows
+        rows = np.arange(2 * heads, dtype=np.int64)[:, None] * slab.num_slots + blocks[0][None, :]
+        plan.gather_index = torch.from_numpy(rows.reshape(-1)).to(device, non_blocking=True)
+        return
     plan.gather_sources = slab.layers_blocks
     _set_gather_index(plan, blocks, heads, device)
 
@@ -274,20 +279,22 @@ def _prepare_token_gather(plan: StepPlan, slab: DeviceSlab, buffer: GatherBuffer
     num_rows, (heads, _, dim) = len(blocks), slab.layers_k[0].shape
 
     def make(out):  # out [2, B, H, T, D]: what the gather fills, then K and V
-        return (out.view(2, heads, num_tokens, dim) if num_rows == 1 else out), out[0], out[1]
+        return (out.view(2 * heads * num_tokens, dim) if num_rows == 1 else out), out[0], out[1]
 
     plan.gather_out, plan.read_k, plan.read_v = buffer.views((2, num_rows, heads, num_tokens, dim), dtype, device,
                                                              make)
+    positions = [slab.token_positions(b, 0, num_tokens) for b in blocks]
+    if num_rows == 1:  # rows of one token's K or V of one head: (K or V, head, token) -> a slab row
+        plan.gather_sources = slab.layers_token_rows
+        rows = np.arange(2 * heads, dtype=np.int64)[:, None] * slab.num_tokens + positions[0][None, :]
+        plan.gather_index = torch.from_numpy(rows.reshape(-1)).to(device, non_blocking=True)
+        return
     plan.gather_sources = slab.layers_kv
-    _set_gather_index(plan, [slab.token_positions(b, 0, num_tokens) for b in blocks], heads, device)
+    _set_gather_index(plan, positions, heads, device)
 
 
 def _set_gather_index(plan: StepPlan, positions: list[np.ndarray], heads: int, device) -> None:
-    """One index_select along the positions' axis (one row), else an advanced index giving
-    `[2, B, H, n, ...]` (K and V, the rows, the heads)."""
-    if len(positions) == 1:
-        plan.gather_index = torch.from_numpy(positions[0]).to(device, non_blocking=True)
-        return
+    """Several rows' gather: an advanced index giving `[2, B, H, n, ...]` (K and V, the rows, the heads)."""
     plan.gather_index = [torch.arange(2, device=device).view(2, 1, 1, 1),
                          torch.arange(heads, device=device).view(1, 1, heads, 1),
                          torch.from_numpy(np.stack(positions)).to(device, non_blocking=True).view(1, len(positions), 1, -1)]
