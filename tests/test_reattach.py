@@ -168,9 +168,9 @@ def test_a_store_collected_at_interpreter_shutdown_never_hangs_the_exit(tmp_path
         import atexit, sys
         sys.path.insert(0, {str(TESTS_DIR)!r})
         import tiered_kv
-        import tiered_kv.store.tier_store as tier_store
+        import tiered_kv.store.closing as closing
         from helpers import greedy, rand_ids, tier_config, tiny_model
-        atexit.unregister(tier_store._close_open_stores)
+        atexit.unregister(closing._close_open_stores)
         model = tiny_model("llama")
         bank = tiered_kv.CacheBank(model, tier_config("forces_cold", {str(tmp_path / "cold")!r}))
         greedy(model, rand_ids(12, 30), bank, 6)

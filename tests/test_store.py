@@ -1,4 +1,6 @@
 """TierStore: placement, data through every move, capacity, caching, corruption and stats, on CPU."""
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -105,6 +107,47 @@ def test_bind_preallocates_every_tier(make_store, tmp_path):
     assert store.tiers[WARM].slab.shape == (2, 2, 2, 12, 4)  # a CPU store: paged, as hot (warm.layout auto)
     assert store.tiers[COLD].num_slots == 4
     assert str(tmp_path / "cold0") in store.tiers[COLD].file_path
+
+
+def _paths_to(target, roots: dict) -> list[str]:
+    """The attribute paths from `roots` by which `target` is reached: instance attributes and slots,
+    container items, bound methods' objects, closures' cells (not modules, classes or weak references)."""
+    seen, found, stack = set(), [], list(roots.items())
+    while stack:
+        path, obj = stack.pop()
+        if obj is target:
+            found.append(path)
+            continue
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, torch.Tensor, np.ndarray, str, bytes, int)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            stack += [(f"{path}[{key!r}]", value) for key, value in obj.items()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack += [(f"{path}[{i}]", value) for i, value in enumerate(obj)]
+        elif isinstance(obj, types.MethodType):
+            stack.append((f"{path}.__self__", obj.__self__))
+        elif isinstance(obj, types.FunctionType):
+            stack += [(f"{path}<closure>", cell.cell_contents) for cell in obj.__closure__ or ()]
+        if hasattr(obj, "__dict__") and not isinstance(obj, types.FunctionType):
+            stack += [(f"{path}.{name}", value) for name, value in vars(obj).items()]
+        stack += [(f"{path}.{name}", getattr(obj, name)) for name in getattr(type(obj), "__slots__", ())
+                  if hasattr(obj, name)]
+    return found
+
+
+def test_no_component_reaches_the_store(tmp_path):
+    """The façade hands each component what it uses (docs/design.md): none holds the store, by an
+    attribute or a callable's closure (tests/test_structure.py checks the source)."""
+    store = TierStore({"block_size": LAYOUT.block_size, "hot": {"device": "cpu", "capacity_blocks": 2},
+                       "warm": {"capacity_blocks": 2, "pinned": False}, "scheduler": {"background": True},
+                       "cold": {"capacity_blocks": 2, "path": str(tmp_path / "cold"), "backend": "posix"}})
+    try:
+        store.bind(LAYOUT, torch.float32)
+        assert store.mover is not None and store.opening is not None
+        assert _paths_to(store, {name: value for name, value in vars(store).items()}) == []
+    finally:
+        store.close()
 
 
 def test_bind_again_with_the_same_layout_is_a_no_op(make_store):

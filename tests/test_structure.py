@@ -1,5 +1,6 @@
 """The package's shape (STYLE.md): no import cycle among tiered_kv's modules, one concept per module
-of a few hundred lines at most. Read from the source with ast; nothing is imported.
+of a few hundred lines at most, and no component of the store that takes the whole TierStore. Read
+from the source with ast; nothing is imported.
 
 An import counts wherever it is written: at the top, inside a function (a lazy import hides a cycle,
 it does not remove it) or under `if TYPE_CHECKING`. `from a import b` names module `a.b` when that
@@ -15,7 +16,7 @@ MAX_MODULE_LINES = 350
 # (importer, imported): import edges that close a cycle, to be removed later
 KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 # modules over MAX_MODULE_LINES, to be split later
-KNOWN_LONG_MODULES = {"tiered_kv.store.tier_store"}
+KNOWN_LONG_MODULES: set[str] = set()
 
 
 def _module_name(path: Path) -> str:
@@ -125,3 +126,40 @@ def test_no_module_over_the_line_limit():
     long = {module: n for module, n in lengths.items() if n > MAX_MODULE_LINES}
     assert set(long) - KNOWN_LONG_MODULES == set(), f"over {MAX_MODULE_LINES} lines (one concept per module): {long}"
     assert KNOWN_LONG_MODULES - set(long) == set(), "split already: take these off KNOWN_LONG_MODULES"
+
+
+STORE_FACADE = ("tier_store.py", "__init__.py")  # the façade that builds and holds the TierStore; its export
+
+
+def store_holders(source: str) -> list[str]:
+    """Where a module takes or keeps the whole store: a parameter named `store`, an attribute named
+    `store` or `_store...` (set or read: `self.store = store`, `opening.store`), or the name
+    TierStore (an import or an annotation)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.arg) and node.arg == "store":
+            found.append((node.lineno, "parameter `store`"))
+        elif isinstance(node, ast.Attribute) and (node.attr == "store" or node.attr.startswith("_store")):
+            found.append((node.lineno, f"attribute `.{node.attr}`"))
+        elif isinstance(node, ast.Name) and node.id == "TierStore" or \
+                isinstance(node, ast.alias) and "TierStore" in (node.name, node.asname):
+            found.append((node.lineno, "the name TierStore"))
+    return [f"{line}: {what}" for line, what in sorted(found)]
+
+
+def test_the_store_holder_finder_finds_what_a_component_of_the_old_shape_did():
+    old = ("class Opening:\n    def __init__(self, store):\n        self.store = store\n"
+           "class StepBuild:\n    def __init__(self, opening):\n        self.store = opening.store\n"
+           "def flush(store, timeout_s): pass\n")
+    assert store_holders(old) == ["2: parameter `store`", "3: attribute `.store`", "6: attribute `.store`",
+                                  "6: attribute `.store`", "7: parameter `store`"]
+    new = "class Opening:\n    def __init__(self, lock, state, mover):\n        self.lock, self.state = lock, state\n"
+    assert store_holders(new) == []
+
+
+def test_no_component_of_the_store_takes_the_whole_store():
+    """Each component gets the collaborators it uses, passed explicitly (docs/design.md): only the
+    façade builds, holds and wires them."""
+    found = {path.name: holders for path in sorted((PACKAGE / "store").glob("*.py")) if path.name not in STORE_FACADE
+             and (holders := store_holders(path.read_text(encoding="utf-8")))}
+    assert found == {}, f"components that take or keep the TierStore (pass them what they use instead): {found}"

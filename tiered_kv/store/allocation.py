@@ -15,10 +15,16 @@ from __future__ import annotations
 import itertools
 import time
 
-from ..blocks import COLD, HOT
+from ..blocks import COLD, HOT, KVLayout
 from ..errors import CapacityError, CorruptBlockError
 from ..metrics.registry import ON_DEMAND
-from .demand import MAX_ROUNDS, DemandResult
+from ..scheduler import MemScheduler
+from .compaction import HotCompaction
+from .demand import MAX_ROUNDS, DemandMoves, DemandResult
+from .life import StoreLife
+from .lock import StoreLock
+from .state import StoreState
+from .transfers import Transfers
 
 PIN_WAIT_S = 60.0  # how long a step or allocation waits for other steps to free the room it needs
 _PSEUDO_OWNERS = itertools.count(-1, -1)  # owners of store-internal pins (work outside a step)
@@ -33,30 +39,34 @@ class Retry(Exception):
 
 
 class Allocation:
-    def __init__(self, store):
-        self.store = store  # the façade: lock, state, scheduler, transfers, demand, compaction
+    def __init__(self, lock: StoreLock, life: StoreLife, state: StoreState, scheduler: MemScheduler,
+                 compaction: HotCompaction, demand: DemandMoves, transfers: Transfers, layout: KVLayout):
+        self.lock, self.life, self.state = lock, life, state
+        self.scheduler, self.compaction = scheduler, compaction
+        self.demand, self.transfers = demand, transfers
+        self.layout = layout  # (what a CapacityError names)
 
     def allocate(self, num_blocks: int, protect: frozenset[int] = frozenset(),
                  follow: list[tuple[int, int | None]] | None = None) -> list[int]:
         """New blocks outside a step (ref_count 1, unpinned on return); waits up to PIN_WAIT_S
         while running steps hold the room. CapacityError changes nothing."""
-        store = self.store
+        state = self.state
         owner = pseudo_owner()
         deadline = time.monotonic() + PIN_WAIT_S
         while True:
-            version = store.change_version
-            with store.lock:
-                store.check_open()
-                store.state.pin(owner, set())
+            version = state.changes.version
+            with self.lock:
+                self.life.check_open()
+                state.pin(owner, set())
             try:
                 return self.allocate_pinned(owner, num_blocks, protect, follow)
             except Retry:
-                store.wait_for_change(version, min(0.05, max(0.0, deadline - time.monotonic())))
+                state.changes.wait(version, min(0.05, max(0.0, deadline - time.monotonic())))
                 if time.monotonic() >= deadline:
                     raise self.capacity_error(num_blocks) from None
             finally:
-                with store.lock:
-                    store.state.unpin(owner)
+                with self.lock:
+                    state.unpin(owner)
 
     def allocate_pinned(self, owner: int, num_blocks: int, protect: frozenset[int] = frozenset(),
                         follow=None, result: DemandResult | None = None) -> list[int]:
@@ -65,30 +75,30 @@ class Allocation:
             return []
         if follow is not None and sum(count for count, _ in follow) != num_blocks:
             raise ValueError(f"allocate: follow {follow} covers {sum(c for c, _ in follow)} blocks, not {num_blocks}")
-        store, state = self.store, self.store.state
+        state = self.state
         result = result if result is not None else DemandResult()
         for _ in range(MAX_ROUNDS):
-            with store.lock:
-                store.check_open()
+            with self.lock:
+                self.life.check_open()
                 state.drain()
                 keep = protect | frozenset(result.failed_blocks)
-                movable = state.movable_by(owner, keep)
-                plan = store.scheduler.plan_new_blocks(num_blocks, state.index, state.free_slots(), state.capacities,
-                                                       keep, movable)
+                leave_alone = state.leave_alone_for(owner, keep)
+                plan = self.scheduler.plan_new_blocks(num_blocks, state.index, state.free_slots(), state.capacities,
+                                                      keep, leave_alone)
                 if plan is None:
                     self._no_room(owner, num_blocks, result)
                 if not plan.num_moves:
                     block_ids = self._place(plan.new_block_tiers, follow, owner)
                     state.pin_more(owner, block_ids)
                     return block_ids
-                first, rest = store.demand.prepare_parts(plan, movable)
-            settled, copied, _ = store.demand.pipeline(first, rest, movable, result)
+                first, rest = self.demand.prepare_parts(plan, leave_alone)
+            settled, copied, _ = self.demand.pipeline(first, rest, leave_alone, result)
             if not copied and not settled:
                 raise Retry()  # the moves need slots that copies in flight still hold
         raise Retry()
 
     def _no_room(self, owner: int, num_blocks: int, result: DemandResult) -> None:
-        state = self.store.state
+        state = self.state
         if state.pinned_by_others(owner) or state.in_flight or state.num_deferred_frees:
             raise Retry()
         if result.failed_blocks:  # the only room is held by blocks whose copies keep failing
@@ -99,7 +109,7 @@ class Allocation:
 
     def _place(self, tiers: list[int], follow, owner: int) -> list[int]:
         """Index entries for new blocks in the plan's `tiers`, hot ones consecutive per `follow` group."""
-        state = self.store.state
+        state = self.state
         block_ids = []
         start = 0
         for count, previous in follow or [(len(tiers), None)]:
@@ -116,7 +126,7 @@ class Allocation:
     def _hot_slots(self, num_slots: int, previous: int | None, as_run: bool, owner: int) -> list[int]:
         if not num_slots:
             return []
-        state, pool = self.store.state, self.store.state.pools[HOT]
+        state, pool = self.state, self.state.pools[HOT]
         after = None
         if previous is not None and previous in state.index:
             entry = state.index.get(previous)
@@ -125,46 +135,44 @@ class Allocation:
         if slots is None:  # no run is long enough: as few pieces as the free slots allow
             slots = pool.allocate_runs(num_slots, after) if as_run else pool.allocate(num_slots)
         if after is None or slots[0] != after + 1:
-            self.store.compaction.note_layout_change(owner)  # the sequence may not continue in place here
+            self.compaction.note_layout_change(owner)  # the sequence may not continue in place here
         return slots
 
     def capacity_error(self, num_blocks: int) -> CapacityError:
-        store = self.store
-        referenced = sum(1 for _, e in store.state.index.items() if e.ref_count > 0)
-        hot, warm, cold = store.capacities
+        referenced = sum(1 for _, e in self.state.index.items() if e.ref_count > 0)
+        hot, warm, cold = capacities = self.state.capacities
         return CapacityError(
-            f"need {num_blocks} more blocks of {store.layout.block_size} tokens ({store.layout.block_bytes} bytes "
-            f"each) but all tiers together hold {store.total_capacity_blocks} (hot {hot}, warm {warm}, cold {cold}) "
+            f"need {num_blocks} more blocks of {self.layout.block_size} tokens ({self.layout.block_bytes} bytes "
+            f"each) but all tiers together hold {sum(capacities)} (hot {hot}, warm {warm}, cold {cold}) "
             f"and {referenced} are in use; raise a tier's capacity or shorten the conversation")
 
     def copy_pinned(self, owner: int, sources: list[int], result: DemandResult | None = None) -> list[int]:
         """Copy-on-write: a new block with each source's content, pinned by `owner` (which pins
         the sources too). Raises the copy's error (nothing left behind) or CorruptBlockError."""
-        store = self.store
+        state = self.state
         copies = self.allocate_pinned(owner, len(sources), frozenset(sources), None, result)
-        with store.lock:
-            batch = store.transfers.prepare_copies(list(zip(copies, sources)), ON_DEMAND)
-        store.demand.run_batch(batch)
+        with self.lock:
+            batch = self.transfers.prepare_copies(list(zip(copies, sources)), ON_DEMAND)
+        self.demand.run_batch(batch)
         if batch.any_corrupt():
-            with store.lock:
-                store.state.release([b for b in copies if b in store.state.index])
+            with self.lock:
+                state.release([b for b in copies if b in state.index])
             raise CorruptBlockError(f"blocks {sources} failed their checksum while being copied and must be "
                                     "recomputed")
         if batch.failed_parts:  # complete() freed the copies whose bytes never landed
-            with store.lock:
-                store.state.release([b for b in copies if b in store.state.index])
+            with self.lock:
+                state.release([b for b in copies if b in state.index])
             raise batch.failure
         return copies
 
     def copy_block(self, block_id: int) -> int:
         """A new block with the same content (the caller releases the old one)."""
-        store = self.store
         owner = pseudo_owner()
-        with store.lock:
-            store.check_open()
-            store.state.pin(owner, {block_id})
+        with self.lock:
+            self.life.check_open()
+            self.state.pin(owner, {block_id})
         try:
             return self.copy_pinned(owner, [block_id])[0]
         finally:
-            with store.lock:
-                store.state.unpin(owner)
+            with self.lock:
+                self.state.unpin(owner)

@@ -1,4 +1,5 @@
-"""Building a store's tiers for one KV layout: the slabs, the cold file, the slot pools, the
+"""Building a store: what it opens at start (`start`: the copy engine, the cold directory, the
+remote tier), then for one KV layout its tiers: the slabs, the cold file, the slot pools, the
 staging sets of the transfers (one for on-demand batches, one for the background mover's) and
 the watermarks in blocks. A failure partway leaves `made` holding what was built (the store
 closes it); nothing here keeps state.
@@ -14,8 +15,11 @@ import torch
 from ..blocks import COLD, HOT, TIER_NAMES, WARM, KVLayout
 from ..errors import ColdPathInUseError
 from ..hw.block_copy import BlockCopier, device_staging
+from ..hw.copy_engine import make_copy_engine
+from ..hw.link_monitor import make_link_monitor
 from ..metrics.registry import BACKGROUND, ON_DEMAND
 from ..pool import SlotPool
+from ..remote import RemoteTier
 from ..scheduler.mem_scheduler import Watermarks
 from ..tiers import ColdTier, HotTier
 from ..tiers.compressed import CompressedColdTier
@@ -44,6 +48,25 @@ def capacities_of(config, layout: KVLayout, has_cold: bool) -> list[int]:
     hot, warm, cold = stored_layouts(config, layout)
     return [config.hot.resolve_blocks(hot.block_bytes), config.warm.resolve_blocks(warm.block_bytes),
             config.cold.resolve_blocks(cold.block_bytes) if has_cold else 0]
+
+
+def start(config, device, metrics):
+    """(link monitor, copy engine, cold directory or None, why the store may not write it or None,
+    remote tier or None); a failure closes what it opened. A wrong password (or, when required, a
+    server down) fails the start, as does an unusable cold directory: at start, not at the first spill."""
+    link_monitor = make_link_monitor(device)
+    engine = directory = unavailable = None
+    try:
+        engine = make_copy_engine(device, config.copies.engine, config.copies.delay_us)
+        if config.cold.capacity_blocks != 0 and config.cold.capacity_bytes != 0:
+            directory, unavailable = open_cold(config.cold.path)
+        remote = RemoteTier(config.remote, metrics) if config.remote.enabled else None
+    except BaseException:
+        for opened in (engine, link_monitor, directory):
+            if opened is not None:
+                opened.close()
+        raise
+    return link_monitor, engine, directory, unavailable, remote
 
 
 def open_cold(path: str) -> tuple[ColdDirectory, str | None]:

@@ -65,9 +65,9 @@ class DemandMoves:
         self.sub_batch_blocks = max(1, SUB_BATCH_BYTES // block_bytes) if pipelined and block_bytes > 0 else 0
         self._thread = threading.local()
 
-    def carry_out(self, make_plan: Callable[[DemandResult], Plan | None], movable=None,
+    def carry_out(self, make_plan: Callable[[DemandResult], Plan | None], leave_alone=None,
                   result: DemandResult | None = None, quiet: bool = False) -> DemandResult:
-        """See the module docstring. `make_plan(result)` runs under the lock each round; `movable`
+        """See the module docstring. `make_plan(result)` runs under the lock each round; `leave_alone`
         is the plan's predicate of blocks to leave alone (transfers.prepare); `quiet`: the caller
         reports failed copies itself. Called without the lock."""
         result = result if result is not None else DemandResult()
@@ -77,8 +77,8 @@ class DemandMoves:
                 plan = make_plan(result)
                 if plan is None or not plan.num_moves:
                     break
-                first, rest = self.prepare_parts(plan, movable, quiet)
-            settled, copied, committed = self.pipeline(first, rest, movable, result, quiet)
+                first, rest = self.prepare_parts(plan, leave_alone, quiet)
+            settled, copied, committed = self.pipeline(first, rest, leave_alone, result, quiet)
             if not copied:
                 if settled:
                     continue
@@ -94,17 +94,17 @@ class DemandMoves:
             return [plan]
         return [plan.take(slice(start, start + size)) for start in range(0, plan.num_moves, size)]
 
-    def prepare_parts(self, plan: Plan, movable=None, quiet: bool = False) -> tuple[TransferBatch, list[Plan]]:
+    def prepare_parts(self, plan: Plan, leave_alone=None, quiet: bool = False) -> tuple[TransferBatch, list[Plan]]:
         """(the first sub-batch of `plan`, prepared, the other sub-plans) (store lock held)."""
         parts = self.parts(plan)
-        return self._prepare(parts[0], movable, quiet), parts[1:]
+        return self._prepare(parts[0], leave_alone, quiet), parts[1:]
 
-    def _prepare(self, part: Plan, movable, quiet: bool) -> TransferBatch:
-        batch = self.transfers.prepare(part, ON_DEMAND, movable)
+    def _prepare(self, part: Plan, leave_alone, quiet: bool) -> TransferBatch:
+        batch = self.transfers.prepare(part, ON_DEMAND, leave_alone)
         batch.quiet = quiet
         return batch
 
-    def pipeline(self, batch: TransferBatch, rest: list[Plan], movable=None, result: DemandResult | None = None,
+    def pipeline(self, batch: TransferBatch, rest: list[Plan], leave_alone=None, result: DemandResult | None = None,
                  quiet: bool = False) -> tuple[int, int, int]:
         """Launch `batch` (prepared), prepare and launch each sub-plan of `rest` while the batch
         before it copies, complete each batch in order once its copies are done (called without
@@ -133,7 +133,7 @@ class DemandMoves:
                 if k < len(rest):
                     with self.lock:  # while the batch launched last copies
                         self.state.drain()
-                        batch = self._prepare(rest[k], movable, quiet)
+                        batch = self._prepare(rest[k], leave_alone, quiet)
                     k += 1
         except BaseException as interrupt:
             leftovers = [b for b in (finishing, *launched, batch) if b is not None]

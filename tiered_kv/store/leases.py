@@ -96,7 +96,7 @@ class LeaseRow:
 class StepLease:
     def __init__(self, host, owner: int, num_tokens: int, num_new_tokens: int, rows: list[LeaseRow], moves: MoveList,
                  reads_host_tiers: bool, placement_version: int, block_ids: np.ndarray):
-        self._host = host  # the store's Opening: mapper, tiers, mark_corrupt, end_lease
+        self._host = host  # the store's Opening: mapper, device, mark_corrupt, end_lease
         self.owner = owner
         self.num_tokens = num_tokens
         self.num_new_tokens = num_new_tokens
@@ -143,17 +143,6 @@ class StepLease:
         with self._marking_corrupt():
             lease_row, mapper = self.rows[row], self._host.mapper
             return mapper.read_layer(layer, lease_row.runs(mapper)[1], lease_row.num_tokens)
-
-    def kernel_views(self, layer: int) -> list:
-        """Per tier that a kernel can read in place (hot, then warm when it can), `(K, V)` as
-        `[num_slots, H, bs, D]` views; a tier's position is its tag in a block table."""
-        views = []
-        for tier in self._host.tiers[:2]:
-            view = tier.kernel_view(layer, self.device) if tier is not None else None
-            if view is None:
-                break
-            views.append(view)
-        return views
 
     # ---- the end ----------------------------------------------------------------------------------
     def commit(self) -> None:

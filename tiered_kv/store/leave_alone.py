@@ -1,4 +1,4 @@
-"""The predicate a plan gets of the blocks it must leave alone (StoreState.is_pinned, movable_by,
+"""The predicate a plan gets of the blocks it must leave alone (StoreState.is_pinned, leave_alone_for,
 the mover's), answering one block at a time or, by `mask`, a whole array of ids at once."""
 
 from __future__ import annotations

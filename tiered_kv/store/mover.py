@@ -19,17 +19,24 @@ import dataclasses
 import logging
 import threading
 import time
-import weakref
 from collections import OrderedDict
 
 from ..blocks import COLD, HOT, WARM
+from ..config import Config
 from ..hw.block_io import ColdWriteError
 from ..metrics.registry import BACKGROUND, ON_DEMAND
-from ..scheduler import Plan
+from ..scheduler import MemScheduler, Plan
+from ..scheduler.access_log import AccessLog
 from ..scheduler.arrays import ABSENT, as_ids, placements_of
+from ..scheduler.mem_scheduler import Watermarks
 from . import write_behind
+from .compaction import HotCompaction
 from .copies import BACKUP
 from .leave_alone import LeaveAlone
+from .life import StoreLife
+from .lock import StoreLock
+from .state import StoreState
+from .transfers import Transfers
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +48,22 @@ QUEUE_YIELD_MAX_S = 0.05  # the longest the mover waits for a busy copy engine b
 
 
 class Mover:
-    def __init__(self, store, interval_s: float):
-        self._store_ref = weakref.ref(store)  # the thread must not keep a dropped store alive
-        self.interval_s = interval_s
-        self.batch_blocks = max(1, BATCH_BYTES // store.layout.block_bytes)
+    def __init__(self, lock: StoreLock, life: StoreLife, state: StoreState, scheduler: MemScheduler,
+                 access_log: AccessLog, compaction: HotCompaction, transfers: Transfers, link_monitor,
+                 watermarks: Watermarks, config: Config, block_bytes: int):
+        # (none of these holds the store: a store nobody holds is collected, and its close() stops the thread)
+        self.lock, self.life, self.state = lock, life, state
+        self.scheduler, self.access_log, self.compaction = scheduler, access_log, compaction
+        self.transfers, self.link_monitor, self.watermarks = transfers, link_monitor, watermarks
+        settings = config.scheduler
+        self.bs_threshold, self.write_behind_s = settings.bs_threshold, config.cold.write_behind_s
+        self.interval_s = settings.mover_interval_s
+        self.batch_blocks = max(1, BATCH_BYTES // block_bytes)
         self._requests: OrderedDict[int, list[int]] = OrderedDict()  # owner -> blocks, most wanted first
         self._expected: dict[int, frozenset[int]] = {}  # owner -> blocks prefetched for its coming turn
         self._wake = threading.Event()
         self._stop = False
         self.busy = False  # a batch is between prepare and complete
-        settings = store.config.scheduler
         # ALI and idleness change with steps: replan an empty background plan every few of them
         self._recheck_steps = max(1, min(settings.ali_window, settings.idle_steps or settings.ali_window) // 8)
         self._quiet: _Quiet | None = None  # what the last empty background plan saw
@@ -66,11 +79,10 @@ class Mover:
         self._cold_retry_pending = False
         self._failed_until: dict[int, float] = {}  # block -> when its background move may be tried again
         self._thread = threading.Thread(target=self._run, name="tiered_kv-mover", daemon=True)
-        self._thread.start()
 
-    @property
-    def store(self):
-        return self._store_ref()
+    def start(self) -> None:
+        """Start the thread (once the store is bound, outside its lock)."""
+        self._thread.start()
 
     # ---- requests (store lock held by the caller) -----------------------------------------------
     def request_prefetch(self, owner: int, block_ids: list[int], deadline: float | None = None) -> None:
@@ -95,14 +107,14 @@ class Mover:
         """The chat's step began (its prefetch, done or not, is over); `read_lower_tiers`: it
         reads blocks outside hot (a working set that spilled, which ALI may bring up)."""
         if read_lower_tiers:
-            self._lower_read_step = self.store.access_log.now
+            self._lower_read_step = self.access_log.now
         if self._expected:
             self.drop_requests(owner)
 
     def _leave_alone(self, except_owner: int | None = None):
         """A plan's predicate: pinned, in flight, prefetched for another chat's coming turn, or
         recently failed to move (a copy that keeps raising must not be retried in a tight loop)."""
-        state = self.store.state
+        state = self.state
         expected = [blocks for owner, blocks in self._expected.items() if owner != except_owner]
         if self._failed_until:
             now = time.monotonic()
@@ -124,7 +136,7 @@ class Mover:
         the batch needs it to complete)."""
         self._stop = True
         self._wake.set()
-        if self._thread is not threading.current_thread():
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
     # ---- the thread ------------------------------------------------------------------------
@@ -136,22 +148,18 @@ class Mover:
                 while not self._stop and self._one_batch():
                     pass
             except Exception as error:  # never let the thread die silently; try again later
-                store = self.store
-                if store is None or store.is_closed:
+                if self.life.closed:
                     return
                 log.warning("background mover: %s (it tries again in %.3g s)", error, self.interval_s,
                             exc_info=True)
                 time.sleep(self.interval_s)
 
     def _one_batch(self) -> bool:
-        store = self.store
-        if store is None:
-            self._stop = True
-            return False
-        with store.lock:
-            if store.is_closing:
+        transfers = self.transfers
+        with self.lock:
+            if self.life.is_closing:
                 return False
-            store.state.drain()
+            self.state.drain()
             if self._turn_is_moving():  # a turn's own moves go first: background waits an interval
                 self.num_yielded += 1
                 return False
@@ -162,15 +170,15 @@ class Mover:
                     plan, leave_alone = self._next_plan()
                 if plan is None or not plan.num_moves:
                     return False
-                batch = store.transfers.prepare(plan, BACKGROUND, leave_alone)
+                batch = transfers.prepare(plan, BACKGROUND, leave_alone)
                 if not batch.groups:
                     return batch.settled_at_prepare > 0
             self.busy = True
         try:
-            store.transfers.run(batch)  # launch and wait for the copies, without the lock
+            transfers.run(batch)  # launch and wait for the copies, without the lock
         finally:
-            with store.lock:
-                store.transfers.complete(batch)
+            with self.lock:
+                transfers.complete(batch)
                 self.busy = False
                 self._after(batch)
         return batch.failure is None  # after a failed batch, wait for the next interval
@@ -180,7 +188,7 @@ class Mover:
             retry_at = time.monotonic() + FAILED_MOVE_BACKOFF_S
             self._failed_until.update(dict.fromkeys(batch.failed_block_ids().tolist(), retry_at))
         self.num_batches += 1
-        moved = self.store.transfers.moved_bytes  # (an eviction carries nothing)
+        moved = self.transfers.moved_bytes  # (an eviction carries nothing)
         self.bytes_moved += sum(moved.get(direction, 0) * count for direction, count in batch.committed.counts().items())
         into_cold = any(g.dst_tier == COLD for g in batch.groups)
         if isinstance(batch.failure, ColdWriteError) and into_cold:
@@ -195,12 +203,11 @@ class Mover:
     def _backups(self):
         """A batch of durable copies for blocks published above cold (write-behind), once due; None
         when none is (or while writes into cold back off after a failure)."""
-        store = self.store
-        copies, interval_s = store.state.copies, store.config.cold.write_behind_s
+        copies, interval_s = self.state.copies, self.write_behind_s
         if copies is None or not copies.pending or time.monotonic() < self._cold_retry_at:
             return None
         due = copies.due(time.monotonic(), interval_s, self.batch_blocks)
-        batch = write_behind.prepare_backups(store.transfers, due, BACKGROUND)[0] if due else None
+        batch = write_behind.prepare_backups(self.transfers, due, BACKGROUND)[0] if due else None
         return batch if batch is not None and batch.groups else None
 
     def _turn_is_moving(self) -> bool:
@@ -208,10 +215,9 @@ class Mover:
         units queued (it runs them in order: a background batch queued now would be ahead of the
         next turn's). The queue-depth signal of every machine (NVML's link load is the GPU's). A
         queue busy with units no turn is waiting for holds background back QUEUE_YIELD_MAX_S at most."""
-        store = self.store
-        if any(g.batch.mode == ON_DEMAND and g.kind != BACKUP for g in store.state.in_flight.groups()):
+        if any(g.batch.mode == ON_DEMAND and g.kind != BACKUP for g in self.state.in_flight.groups()):
             return True
-        if store.copy_engine.queue_depth() == 0:
+        if self.transfers.engine.queue_depth() == 0:
             self._queue_busy_since = None
             return False
         # units the store does not track (a long copy, someone else's work): wait a while, not forever
@@ -223,8 +229,7 @@ class Mover:
     def _prefetch_plan(self):
         """(the next batch of the oldest prefetch request still wanted, its leave-alone predicate),
         or (None, None); a request past its deadline is dropped (bank.prefetch(deadline_s))."""
-        store = self.store
-        state = store.state
+        state = self.state
         now = time.monotonic()
         while self._requests:
             owner, (block_ids, deadline) = next(iter(self._requests.items()))
@@ -239,8 +244,8 @@ class Mover:
             # plan for all of the chat's blocks, not just the ones still below: those up already
             # must not be pushed down to make room for the rest (a chat larger than hot swapped
             # its own blocks in a loop until its turn came)
-            plan = store.scheduler.plan_promotion(present, state.index, state.free_slots(), state.capacities,
-                                                  leave_alone)
+            plan = self.scheduler.plan_promotion(present, state.index, state.free_slots(), state.capacities,
+                                                 leave_alone)
             if plan.num_moves:
                 return plan.head(self.batch_blocks), leave_alone
             del self._requests[owner]  # nothing more can come up now
@@ -248,21 +253,19 @@ class Mover:
 
     def _next_plan(self):
         """(plan, the predicate of blocks it must leave alone), or (None, None)."""
-        store = self.store
-        state = store.state
-        if self._background_may_have_work() and \
-                store.link_monitor.saturation() <= store.config.scheduler.bs_threshold:
+        state, scheduler = self.state, self.scheduler
+        if self._background_may_have_work() and self.link_monitor.saturation() <= self.bs_threshold:
             leave_alone = self._leave_alone()
-            plan = store.scheduler.plan_background(state.index, state.free_slots(), state.capacities,
-                                                   store.watermarks, leave_alone, self.batch_blocks)
+            plan = scheduler.plan_background(state.index, state.free_slots(), state.capacities,
+                                             self.watermarks, leave_alone, self.batch_blocks)
             plan = self._without_cold_moves_while_backing_off(plan)
             if plan.num_moves:
                 self._quiet = None
                 return plan, leave_alone
             # nothing to do: plan again only once something a plan reads changed (see below)
-            idle_step, idle_stuck = store.scheduler.idle_outlook(state.index, state.capacities)
-            self._quiet = _Quiet(store.access_log.now, tuple(state.free_slots()), idle_step, idle_stuck)
-        return store.compaction.plan(self.batch_blocks), state.is_pinned
+            idle_step, idle_stuck = scheduler.idle_outlook(state.index, state.capacities)
+            self._quiet = _Quiet(self.access_log.now, tuple(state.free_slots()), idle_step, idle_stuck)
+        return self.compaction.plan(self.batch_blocks), state.is_pinned
 
     def _without_cold_moves_while_backing_off(self, plan: Plan) -> Plan:
         if time.monotonic() >= self._cold_retry_at:
@@ -284,8 +287,7 @@ class Mover:
         if self._cold_retry_pending and time.monotonic() >= self._cold_retry_at:
             self._cold_retry_pending = False  # a backoff on moves into cold ended: try them again
             return True
-        store = self.store
-        state, now = store.state, store.access_log.now
+        state, now = self.state, self.access_log.now
         if quiet.idle_step is not None and now >= quiet.idle_step:
             return True
         if self._failed_until and min(self._failed_until.values()) <= time.monotonic():
@@ -293,21 +295,21 @@ class Mover:
         free = tuple(state.free_slots())
         if free == quiet.free_slots and now - quiet.step < self._recheck_steps:
             return False
-        capacities, marks = state.capacities, store.watermarks
+        capacities, marks = state.capacities, self.watermarks
         used = [capacity - f for capacity, f in zip(capacities, free)]
         if any(capacities[t] and used[t] > marks.high_blocks[t] and self._can_demote(t, free) for t in (HOT, WARM)):
             return True
         if quiet.idle_stuck:
             return True
-        window = store.access_log.window_steps
-        return store.scheduler.promotes_by_locality and self._lower_read_step >= now - max(1, window // 10) \
+        window = self.access_log.window_steps
+        return self.scheduler.promotes_by_locality and self._lower_read_step >= now - max(1, window // 10) \
             and any(capacities[t] and used[t] < marks.low_blocks[t] for t in (HOT, WARM))
 
     def _can_demote(self, tier: int, free: tuple[int, ...]) -> bool:
         """Some block of `tier` could go: a lower tier has a free slot, or one is unreferenced (dropped)."""
-        capacities = self.store.state.capacities
+        capacities = self.state.capacities
         return any(capacities[t] and free[t] for t in range(tier + 1, len(free))) or \
-            bool(len(self.store.state.index.unreferenced(tier)))
+            bool(len(self.state.index.unreferenced(tier)))
 
 
 @dataclasses.dataclass(frozen=True)

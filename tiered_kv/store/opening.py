@@ -24,11 +24,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..blocks import HOT, TIER_NAMES, tier_counts
-from ..metrics.registry import BACKGROUND, ON_DEMAND
-from .allocation import Retry
+from ..metrics.registry import BACKGROUND, ON_DEMAND, Metrics
+from ..scheduler.access_log import AccessLog
+from .allocation import Allocation, Retry
+from .compaction import HotCompaction
 from .leases import LeaseRow, StepLease, StepRequest, reads_host
+from .life import StoreLife
+from .lock import StoreLock
+from .mover import Mover
+from .placement import Placement
 from .reporting import count_turn_start
+from .state import StoreState
 from .step_build import StepBuild
+from .token_map import TokenMapper
 
 @dataclass
 class OwnerCache:
@@ -39,23 +47,28 @@ class OwnerCache:
 
 
 class Opening:
-    def __init__(self, store):
-        self.store = store  # the façade: its lock, state, scheduler, access log, transfers, mapper
+    def __init__(self, lock: StoreLock, life: StoreLife, state: StoreState, block_size: int, metrics: Metrics,
+                 access_log: AccessLog, compaction: HotCompaction, mapper: TokenMapper, allocation: Allocation,
+                 placement: Placement, mover: Mover | None):
+        self.lock, self.life, self.state, self.block_size = lock, life, state, block_size
+        self.metrics, self.access_log, self.compaction = metrics, access_log, compaction  # told of every step
+        self.mapper = mapper  # a lease's staged reads and writes (token_map.py)
+        self.allocation, self.placement = allocation, placement  # new blocks, copies; promotions, undo
+        self.mover = mover  # None: scheduler.background is off
         self.owners: dict[int, OwnerCache] = {}
 
     # ---- the whole step ---------------------------------------------------------------------------
     def open_step(self, request: StepRequest) -> StepLease | None:
-        store, state = self.store, self.store.state
-        owner = request.owner
-        with store.lock:
-            store.check_open()
+        state, owner = self.state, request.owner
+        with self.lock:
+            self.life.check_open()
             state.drain()
             if self._in_demand_flight(request.block_set):
                 return None
             build = StepBuild(self, request)
             build.shared_tails = self._shared_tails(request)
             if request.count_turn_start and request.promotion_order:  # where the history was when the turn began
-                count_turn_start(store.metrics, state.placements(request.promotion_order)[0])
+                count_turn_start(self.metrics, state.placements(request.promotion_order)[0])
             if request.new_turn and state.copies is not None:  # a second turn reads them (cold.admit: reused)
                 state.copies.reused(request.promotion_order, time.monotonic())
             self._cancel_background(request.block_set)
@@ -65,8 +78,8 @@ class Opening:
             build.allocate_new_blocks()
             if request.new_turn:
                 build.promote_history()
-            with store.lock:
-                store.check_open()
+            with self.lock:
+                self.life.check_open()
                 state.drain()
                 return self._finish(build)
         except Retry:
@@ -79,9 +92,9 @@ class Opening:
     def _shared_tails(self, request: StepRequest) -> list[int]:
         """Rows whose partly filled tail is about to change but is shared or published (its
         content must stay): they get a private copy first."""
-        if not request.num_tokens_before % self.store.config.block_size:
+        if not request.num_tokens_before % self.block_size:
             return []
-        index = self.store.state.index
+        index = self.state.index
         return [r for r, table in enumerate(request.tables)
                 if table and request.new_first_block(r) is None  # (a gapped row never writes its tail)
                 and (index.get(table[-1]).ref_count > 1 or index.get(table[-1]).key is not None)]
@@ -89,19 +102,18 @@ class Opening:
     def _in_demand_flight(self, block_set: set[int]) -> bool:
         """Some block of the step is in another caller's on-demand move (not a backup: it does
         not move its block)."""
-        return self.store.state.in_flight.any_moving(block_set, ON_DEMAND)
+        return self.state.in_flight.any_moving(block_set, ON_DEMAND)
 
     def _cancel_background(self, block_set: set[int]) -> None:
         """Cancel the background moves of the step's blocks (each counted once): they stay where
         the step maps them."""
-        cancelled = self.store.state.in_flight.cancel_moves(block_set, BACKGROUND)
-        if cancelled and self.store.mover is not None:
-            self.store.mover.num_cancelled += cancelled
+        cancelled = self.state.in_flight.cancel_moves(block_set, BACKGROUND)
+        if cancelled and self.mover is not None:
+            self.mover.num_cancelled += cancelled
 
     def _finish(self, build: "StepBuild") -> StepLease:
-        store, state, request = self.store, self.store.state, build.request
+        state, request, block_size = self.state, build.request, self.block_size
         cache = self.owners.setdefault(request.owner, OwnerCache())
-        block_size = store.config.block_size
         rows, tables = [], []
         for r, committed in enumerate(request.tables):
             table = list(committed)
@@ -144,10 +156,10 @@ class Opening:
         land in its rows' `tails` (blocks it holds alone, never published) and none of its blocks
         moved since: O(rows), plus the moves anyone made since (usually none), instead of
         open_step's O(blocks). None: take open_step."""
-        store, state = self.store, self.store.state
+        state = self.state
         index, owner = state.index, previous.owner
-        with store.lock:
-            store.check_open()
+        with self.lock:
+            self.life.check_open()
             state.drain()
             if state.in_flight.blocks and self._in_demand_flight(block_set):
                 return None
@@ -170,24 +182,23 @@ class Opening:
     def _record_step(self, lease: StepLease, cost_sensitivity: float, new_turn: bool, read_lower_tiers: bool) -> None:
         """What every step tells the store's bookkeeping, O(1) for a repeated decode step (the
         lease's block ids array is the same object; the recency touch is applied lazily)."""
-        store, owner = self.store, lease.owner
-        index = store.state.index
-        index.touch_later(owner, lease.block_ids)
-        store.access_log.record_step(owner, lease.block_ids, lease.tables, cost_sensitivity, new_turn=new_turn)
-        index.clock = store.access_log.now
-        store.compaction.note_step(owner, [(row.table, row.tiers, row.slots) for row in lease.rows])
-        hits = store.metrics.hits
+        state, owner = self.state, lease.owner
+        state.index.touch_later(owner, lease.block_ids)
+        self.access_log.record_step(owner, lease.block_ids, lease.tables, cost_sensitivity, new_turn=new_turn)
+        state.index.clock = self.access_log.now
+        self.compaction.note_step(owner, [(row.table, row.tiers, row.slots) for row in lease.rows])
+        hits = self.metrics.hits
         for tier, count in lease.tier_counts.items():
             hits.inc((TIER_NAMES[tier],), count)
-        if store.mover is not None:
-            store.mover.step_started(owner, read_lower_tiers=read_lower_tiers)
-        lease.stream = store.state.step_fences.current_stream()  # this thread's: the forward runs on it
-        store.state.leases[owner] = lease
+        if self.mover is not None:
+            self.mover.step_started(owner, read_lower_tiers=read_lower_tiers)
+        lease.stream = state.step_fences.current_stream()  # this thread's: the forward runs on it
+        state.leases[owner] = lease
 
     def _placements(self, cache: OwnerCache, row: int, table: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Tiers and slots of `table`; when nothing moved since the chat's last step, only its new
         blocks are looked up (O(new blocks) a decode step)."""
-        state = self.store.state
+        state = self.state
         if cache.placement_version == state.index.placement_version and cache.tables is not None \
                 and row < len(cache.tables):
             cached, tiers, slots = cache.tables[row]
@@ -202,25 +213,16 @@ class Opening:
     def forget(self, owner: int) -> None:
         """The chat's bank closed or was collected (store lock held): its access history, rows
         and requests describe no live chat any more."""
-        store = self.store
         self.owners.pop(owner, None)
-        store.access_log.forget_chat(owner)
-        store.compaction.forget(owner)
-        if store.mover is not None:
-            store.mover.drop_requests(owner)
+        self.access_log.forget_chat(owner)
+        self.compaction.forget(owner)
+        if self.mover is not None:
+            self.mover.drop_requests(owner)
 
-    # ---- what a lease asks of the store ----------------------------------------------------------
-    @property
-    def mapper(self):
-        return self.store.mapper
-
-    @property
-    def tiers(self) -> list:
-        return self.store.state.tiers
-
+    # ---- what a lease asks of the store (its mapper too) ------------------------------------------
     @property
     def device(self):
-        return self.store.device
+        return self.mapper.device
 
     def end_lease(self, lease: StepLease, aborted: bool) -> None:
         """StepLease.commit / abort (leases.py): a completion fence on the stream the step ran on,
@@ -229,24 +231,24 @@ class Opening:
         if lease.ended:
             return
         lease.ended = True
-        store, state = self.store, self.store.state
+        state = self.state
         fence = state.step_fences.record(lease)  # (an event on the forward's stream: nothing waits)
-        with store.lock:
+        with self.lock:
             state.step_fences.add(lease, fence)  # before unpinning: its slots are in use until it passed
             state.leases.pop(lease.owner, None)
             state.unpin(lease.owner)
-            closed = store.is_closed
+            closed = self.life.closed
             if aborted and not closed:
                 state.release(lease.allocated_block_ids)
             state.changes.bump()
         if aborted and not closed and lease.moves:
-            store.placement.undo_moves(lease.moves)
+            self.placement.undo_moves(lease.moves)
 
     def mark_corrupt(self, block_id: int | None, tier: int | None = None, slot: int | None = None) -> None:
         """A lease's read found a block's bytes bad: never served again (StoreState.mark_corrupt)."""
-        store, state = self.store, self.store.state
-        with store.lock:
-            if store.is_closed:
+        state = self.state
+        with self.lock:
+            if self.life.closed:
                 return
             if block_id is None and tier is not None and slot is not None:
                 block_id = state.block_at(tier, slot)

@@ -13,91 +13,106 @@ import time
 import numpy as np
 
 from ..blocks import COLD
-from ..scheduler import Move, Plan
+from ..scheduler import MemScheduler, Move, Plan
+from ..scheduler.access_log import AccessLog
 from ..scheduler.arrays import as_ids, contains_mask
 from .allocation import pseudo_owner
+from .compaction import HotCompaction
 from .copies import BACKUP
-from .demand import DemandResult
+from .demand import DemandMoves, DemandResult
+from .life import StoreLife
+from .lock import StoreLock
+from .mover import Mover
+from .state import StoreState
 
 WAIT_FOR_LANDING_S = 30.0  # how long a promotion waits for blocks a background move has in flight
 
 
 class Placement:
-    def __init__(self, store):
-        self.store = store  # the façade: lock, state, scheduler, demand, mover
+    def __init__(self, lock: StoreLock, life: StoreLife, state: StoreState, scheduler: MemScheduler,
+                 access_log: AccessLog, compaction: HotCompaction, demand: DemandMoves, mover: Mover | None):
+        self.lock, self.life, self.state = lock, life, state
+        self.scheduler, self.access_log, self.compaction = scheduler, access_log, compaction
+        self.demand = demand
+        self.mover = mover  # None: scheduler.background is off
 
     def promote(self, block_ids: list[int], owner: int | None = None) -> list[int]:
         """Bring blocks up (hot first), now: the caller waits. Returns ids found corrupt on the
         way. `owner`'s pending background prefetch is taken over: blocks it has in flight are
         waited for, the rest planned here."""
-        store, state = self.store, self.store.state
-        with store.lock:
-            store.check_open()
+        mover = self.mover
+        with self.lock:
+            self.life.check_open()
             if owner is not None:  # its turn is coming: the policy counts it now (access_log.py)
-                store.access_log.announce_turn(owner, block_ids)
-                if store.mover is not None:
-                    store.mover.drop_requests(owner)
+                self.access_log.announce_turn(owner, block_ids)
+                if mover is not None:
+                    mover.drop_requests(owner)
         ids = as_ids(block_ids)
         self._wait_for_flights(ids)
+        corrupt = self.bring_up(ids, self.state.is_pinned).corrupt
+        if mover is not None and owner is not None:
+            with self.lock:  # its step comes next: no optional move takes them down before it
+                mover.expect(owner, block_ids)
+        return corrupt
+
+    def bring_up(self, block_ids: np.ndarray, leave_alone, result: DemandResult | None = None) -> DemandResult:
+        """Promote `block_ids` (hot first) in rounds, now, leaving alone the blocks `leave_alone`
+        names (blocks gone from the index meanwhile: the planner leaves them out)."""
+        state = self.state
 
         def make_plan(result: DemandResult) -> Plan:
-            return store.scheduler.plan_promotion(_without(ids, result.failed_blocks), state.index,
-                                                  state.free_slots(), state.capacities, state.is_pinned)
+            return self.scheduler.plan_promotion(_without(block_ids, result.failed_blocks), state.index,
+                                                 state.free_slots(), state.capacities, leave_alone)
 
-        corrupt = store.demand.carry_out(make_plan, state.is_pinned).corrupt
-        if store.mover is not None and owner is not None:
-            with store.lock:  # its step comes next: no optional move takes them down before it
-                store.mover.expect(owner, block_ids)
-        return corrupt
+        return self.demand.carry_out(make_plan, leave_alone, result)
 
     def _wait_for_flights(self, block_ids: np.ndarray) -> None:
         """Until none of `block_ids` is in flight (charged to the caller as promote seconds)."""
-        store = self.store
+        changes = self.state.changes
         start_s = time.perf_counter()
         deadline = time.monotonic() + WAIT_FOR_LANDING_S
         waited = False
         while True:
-            version = store.change_version
-            with store.lock:
-                in_flight = store.state.in_flight  # (a backup does not move its block: no wait for it)
+            version = changes.version
+            with self.lock:
+                in_flight = self.state.in_flight  # (a backup does not move its block: no wait for it)
                 if not in_flight or not any(in_flight[b].kind != BACKUP for b in
                                             block_ids[in_flight.contains_mask(block_ids.tolist())].tolist()):
                     break
             waited = True
-            if not store.wait_for_change(version, deadline - time.monotonic()):
+            if not changes.wait(version, deadline - time.monotonic()):
                 break  # they are still where their entries say: the promotion plans around them
         if waited:
-            store.demand.charge_wait("promote", time.perf_counter() - start_s)
+            self.demand.charge_wait("promote", time.perf_counter() - start_s)
 
     def prefetch(self, owner: int, block_ids: list[int], deadline_s: float | None = None) -> None:
         """Bring `owner`'s blocks up in the background (most wanted first) and return at once,
         giving up `deadline_s` from now; without a mover (scheduler.background false), promote
         them now (all of them)."""
-        store = self.store
-        with store.lock:
-            store.check_open()
-            store.access_log.announce_turn(owner, block_ids)  # its user is typing: the turn counts now
-            if store.mover is not None:
+        with self.lock:
+            self.life.check_open()
+            self.access_log.announce_turn(owner, block_ids)  # its user is typing: the turn counts now
+            if self.mover is not None:
                 deadline = None if deadline_s is None else time.monotonic() + deadline_s
-                store.mover.request_prefetch(owner, block_ids, deadline)
+                self.mover.request_prefetch(owner, block_ids, deadline)
                 return
         self.promote(block_ids, owner)
 
     def demote(self, block_ids: list[int], dst_tier: int) -> list[int]:
         """Move blocks down to `dst_tier` (WARM or COLD) as far as room allows (a move whose copy
         fails leaves its block where it was). Returns the ids found corrupt on the way."""
-        state, targets = self.store.state, as_ids(block_ids)
+        state, targets = self.state, as_ids(block_ids)
 
         def make_plan(result: DemandResult) -> Plan:
-            return self.store.scheduler.plan_demotion(_without(targets, result.failed_blocks), dst_tier, state.index,
-                                                      state.free_slots(), state.capacities, state.is_pinned)
+            return self.scheduler.plan_demotion(_without(targets, result.failed_blocks), dst_tier, state.index,
+                                                state.free_slots(), state.capacities, state.is_pinned)
 
-        return self.store.demand.carry_out(make_plan, state.is_pinned).corrupt
+        return self.demand.carry_out(make_plan, state.is_pinned).corrupt
 
     def undo_moves(self, moves: list[Move]) -> None:
         """Put blocks back where they were before `moves` (newest first), as far as each block is
         still where the move left it, unpinned, and its old tier has room."""
-        state = self.store.state
+        state = self.state
         undone: set[int] = set()
 
         def make_plan(result: DemandResult) -> Plan:
@@ -116,17 +131,17 @@ class Placement:
                 free[move.dst_tier] += 1
             return Plan(moves=back)
 
-        self.store.demand.carry_out(make_plan, state.is_pinned)
+        self.demand.carry_out(make_plan, state.is_pinned)
 
     def verify(self, block_ids: list[int]) -> list[int]:
         """Check the cold blocks among `block_ids` against their checksums (the one tier whose bytes
         can rot outside this process), reading outside the lock. Failing ones are marked corrupt
         and returned."""
-        store, state = self.store, self.store.state
+        state = self.state
         owner = pseudo_owner()
-        with store.lock:
-            cold = state.tiers[COLD] if store.is_bound else None
-            if cold is None or store.is_closing:
+        with self.lock:
+            cold = state.tiers[COLD]
+            if cold is None or self.life.is_closing:
                 return []
             by_slot = {}
             for block_id in block_ids:
@@ -140,7 +155,7 @@ class Placement:
         try:
             bad = [by_slot[slot] for slot in cold.verify(list(by_slot))]
         finally:
-            with store.lock:
+            with self.lock:
                 state.unpin(owner)
                 for block_id in bad:
                     if block_id in state.index:
@@ -149,13 +164,12 @@ class Placement:
 
     def wait_for_background(self, timeout_s: float) -> bool:
         """Until the mover has no request, no batch in flight and no compaction to do (False: not in time)."""
-        store = self.store
+        mover = self.mover
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with store.lock:
-                mover = store.mover
-                if mover is None or store.is_closing or (not mover.pending_requests and not mover.busy
-                                                         and not store.compaction.pending()):
+            with self.lock:
+                if mover is None or self.life.is_closing or (not mover.pending_requests and not mover.busy
+                                                             and not self.compaction.pending()):
                     return True
                 mover.wake()
             time.sleep(0.005)

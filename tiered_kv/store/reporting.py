@@ -10,9 +10,20 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..blocks import COLD, HOT, TIER_NAMES, WARM, tier_counts
-from ..metrics.registry import BACKGROUND, ON_DEMAND
+import torch
+
+from ..blocks import COLD, HOT, TIER_NAMES, WARM, KVLayout, tier_counts
+from ..config import Config
+from ..metrics.registry import BACKGROUND, ON_DEMAND, Metrics
+from ..remote import RemoteTier
+from ..scheduler.access_log import AccessLog
+from ..scheduler.restore import Rates
+from .compaction import HotCompaction
 from .consistency import check_consistent
+from .life import StoreLife
+from .lock import StoreLock
+from .mover import Mover
+from .state import StoreState
 
 
 def count_turn_start(metrics, tiers) -> None:
@@ -34,9 +45,23 @@ class Counters(NamedTuple):
 
 
 class Reporting:
-    def __init__(self, store):
-        self.store = store
-        self.metrics = store.metrics
+    def __init__(self, lock: StoreLock, life: StoreLife, state: StoreState, metrics: Metrics, config: Config,
+                 compaction: HotCompaction, access_log: AccessLog, rates: Rates, link_monitor, copy_engine,
+                 remote: RemoteTier | None, device: torch.device, pinned: bool):
+        self.lock, self.life, self.state, self.metrics, self.config = lock, life, state, metrics, config
+        self.compaction, self.access_log, self.rates = compaction, access_log, rates
+        self.link_monitor, self.copy_engine, self.remote = link_monitor, copy_engine, remote
+        self.device, self.pinned = device, pinned  # where hot and warm live
+        # what binding makes (bind): each tier's layout, why cold is off, the staging sets, the mover
+        self.stored_layouts: list[KVLayout] = []
+        self.cold_unavailable: str | None = None
+        self.staging: dict = {}
+        self.mover: Mover | None = None
+
+    def bind(self, stored_layouts: list[KVLayout], cold_unavailable: str | None, staging: dict,
+             mover: Mover | None) -> None:
+        self.stored_layouts, self.cold_unavailable, self.staging, self.mover = \
+            stored_layouts, cold_unavailable, staging, mover
 
     # ---- counters, read from the metrics --------------------------------------------------------
     @property
@@ -81,9 +106,8 @@ class Reporting:
 
     def counters(self) -> Counters:
         """The cheap counters (pools and running totals; never the whole stats())."""
-        store = self.store
-        with store.lock:
-            pools = store.state.pools
+        with self.lock:
+            pools = self.state.pools
             return Counters(
                 used_blocks=tuple(self._used_blocks(t) for t in range(len(pools))) or (0,) * len(TIER_NAMES),
                 capacity_blocks=tuple(pool.num_slots for pool in pools) or (0,) * len(TIER_NAMES),
@@ -93,85 +117,83 @@ class Reporting:
 
     def _used_blocks(self, tier: int) -> int:
         """Slots that hold blocks (or are reserved), not counting cold slots holding only durable copies."""
-        state = self.store.state
+        state = self.state
         used = state.pools[tier].num_used
         return used - len(state.copies) if tier == COLD and state.copies else used
 
     def contiguity(self, tables: list[list[int]]) -> float:
         """One chat's contiguity (compaction.py): 1.0 when it has no hot block."""
-        store = self.store
-        with store.lock:
-            if not store.is_bound or store.is_closed:
+        with self.lock:
+            if not self.life.bound or self.life.closed:
                 return 1.0
-            return store.compaction.contiguity(tables)
+            return self.compaction.contiguity(tables)
 
     def check_consistency(self) -> list[str]:
         """What is wrong between the index, the pools, pins and transfers ([] when nothing is): every
         used slot belongs to one block, a reservation of a move in flight, a quarantined corrupt
         block or a deferred free (consistency.py). Tests call it after every fault."""
-        store = self.store
-        with store.lock:
-            if not store.is_bound or store.is_closed:
+        with self.lock:
+            if not self.life.bound or self.life.closed:
                 return []
-            store.state.drain()
-            return check_consistent(store.state)
+            self.state.drain()
+            return check_consistent(self.state)
 
     # ---- stats() -----------------------------------------------------------------------------------
     def stats(self) -> dict:
-        store = self.store
-        with store.lock:
-            bound = store.is_bound and not store.is_closed
+        state, config = self.state, self.config
+        with self.lock:
+            bound = self.life.bound and not self.life.closed
             if bound:
-                store.state.drain()
+                state.drain()
             tiers = {}
             for t, name in enumerate(TIER_NAMES):
-                device = str(store.device) if t == HOT else ("cpu (pinned)" if store.pinned else "cpu") if t == WARM \
+                device = str(self.device) if t == HOT else ("cpu (pinned)" if self.pinned else "cpu") if t == WARM \
                     else "file"
                 if not bound:
                     tiers[name] = {"used_blocks": 0, "capacity_blocks": 0, "used_bytes": 0, "capacity_bytes": 0,
                                    "device": device, "block_bytes": 0, "compression": "none"}
                     continue
-                pool = store.state.pools[t]
+                pool = state.pools[t]
                 if t == COLD:
-                    cold = store.state.tiers[COLD]
+                    cold = state.tiers[COLD]
                     device = getattr(cold, "file_path", None) or (
-                        f"unavailable: {store.cold_unavailable}" if store.cold_unavailable else "disabled")
+                        f"unavailable: {self.cold_unavailable}" if self.cold_unavailable else "disabled")
                 used = self._used_blocks(t)
-                stored = store.state.tiers[t].layout if store.state.tiers[t] is not None else \
-                    store.layout.stored(store.config.cold.compression)  # cold off: as configured
+                stored = state.tiers[t].layout if state.tiers[t] is not None else \
+                    self.stored_layouts[t]  # cold off: as configured
                 block_bytes = stored.block_bytes  # as the tier stores a block: fewer bytes when compressed
                 tiers[name] = {"used_blocks": used, "capacity_blocks": pool.num_slots, "used_bytes": used * block_bytes,
                                "capacity_bytes": pool.num_slots * block_bytes, "device": device,
                                "block_bytes": block_bytes, "compression": stored.compression}
                 if t == COLD:  # slots holding durable copies of blocks above (counted free: they go first)
-                    tiers[name]["copies_blocks"] = len(store.state.copies or ())
-            block_size = {"tokens": store.config.block_size, "auto": store.config.block_size_is_auto}
+                    tiers[name]["copies_blocks"] = len(state.copies or ())
+            block_size = {"tokens": config.block_size, "auto": config.block_size_is_auto}
             out = {"tiers": tiers, "block_size": block_size, "hits": self.hits, "misses": self.misses,
-                   "bytes_moved": self.bytes_moved, "link_saturation": store.link_monitor.saturation()}
+                   "bytes_moved": self.bytes_moved, "link_saturation": self.link_monitor.saturation()}
             out.update(self._scheduler_stats())
-            out.update(store.compaction.layout_stats() if bound else
+            out.update(self.compaction.layout_stats() if bound else
                        {"fragmentation": 0.0, "contiguity": 1.0, "contiguity_min": 1.0})
-            out["copies"] = {"engine": store.copy_engine.name, "in_flight_blocks": len(store.state.in_flight),
-                             "deferred_frees": store.state.num_deferred_frees,
+            out["copies"] = {"engine": self.copy_engine.name, "in_flight_blocks": len(state.in_flight),
+                             "deferred_frees": state.num_deferred_frees,
                              "failed_moves": int(self.metrics.failed_moves.total())}
             out["durability"] = self._durability_stats()
-            out["restore"] = {"mode": store.config.scheduler.restore,  # load or recompute (scheduler/restore.py)
+            out["restore"] = {"mode": config.scheduler.restore,  # load or recompute (scheduler/restore.py)
                               "restored_tokens": int(self.metrics.restore_choice.value(("restored",))),
                               "recomputed_tokens": int(self.metrics.restore_choice.value(("recomputed",))),
                               "not_fetched_tokens": int(self.metrics.restore_choice.value(("not_fetched",))),
-                              **store.rates.snapshot()}
+                              **self.rates.snapshot()}
             out["metrics"] = self.metrics.snapshot()  # every counter and histogram (tiered_kv/metrics/)
             # the shared remote tier: hits, misses, bytes in and out, errors, latency (None: off)
-            out["remote"] = store.remote.stats() if store.remote is not None else None
+            out["remote"] = self.remote.stats() if self.remote is not None else None
             return out
 
     def _durability_stats(self) -> dict:
         """Durable copies in cold of blocks above it, what writing them cost, the drive's wear."""
-        store, m = self.store, self.metrics
-        copies = store.state.copies
+        m, cold = self.metrics, self.config.cold
+        copies = self.state.copies
         computed = m.tokens_computed.total()
         written = int(m.cold_bytes_written.value())
-        return {"write_behind_s": store.config.cold.write_behind_s, "admit": store.config.cold.admit,
+        return {"write_behind_s": cold.write_behind_s, "admit": cold.admit,
                 "copies_blocks": len(copies) if copies is not None else 0,
                 "pending_blocks": len(copies.pending) if copies is not None else 0,
                 "copies_written": int(m.copies_written.value()), "adopted_copies": int(m.adopted_copies.value()),
@@ -183,11 +205,9 @@ class Reporting:
     def _scheduler_stats(self) -> dict:
         """Hit rates per tier, moves by direction, background vs on-demand bytes, critical-path
         seconds, and the scheduler's current view (ALI of the live chats, BS, CS)."""
-        store = self.store
         turn_blocks, by_tier = self.turn_blocks, self.turn_blocks_by_tier
         move_s = self.move_seconds
-        mover = store.mover
-        log = store.access_log
+        mover, log, settings = self.mover, self.access_log, self.config.scheduler
         return {
             "hit_rate": {name: (by_tier[name] / turn_blocks if turn_blocks else None) for name in TIER_NAMES},
             "turn_blocks": turn_blocks,
@@ -197,14 +217,14 @@ class Reporting:
             "critical_path": {"move_s": move_s["demote"] + move_s["promote"], "demote_s": move_s["demote"],
                               "promote_s": move_s["promote"]},
             "scheduler": {
-                "policy": store.scheduler.policy,
+                "policy": settings.policy,
                 "store_steps": log.now,
                 "ali_window_steps": log.window_steps,
                 "chats": {owner: {"ali": log.chat_ali(owner), "cost_sensitivity": chat.cost_sensitivity,
                                   "last_step": chat.last_step} for owner, chat in log.chats.items()},
-                "link_saturation": store.link_monitor.saturation(),
-                "link_monitor": store.link_monitor.name,
-                "bs_threshold": store.config.scheduler.bs_threshold,
+                "link_saturation": self.link_monitor.saturation(),
+                "link_monitor": self.link_monitor.name,
+                "bs_threshold": settings.bs_threshold,
                 "background": mover is not None,
                 "background_batches": mover.num_batches if mover is not None else 0,
                 "background_cancelled": mover.num_cancelled if mover is not None else 0,
@@ -215,14 +235,13 @@ class Reporting:
         """The store's preallocated copy buffers beside the tier slabs (None: not allocated):
         staging_host (on-demand moves into and out of cold), staging_device (on-demand hot<->warm
         batches, CUDA), mover_staging_host and mover_staging_device (the background mover's)."""
-        store = self.store
-        with store.lock:
-            staging = store.transfers.staging if store.transfers is not None else {}
-            on_demand, background = staging.get(ON_DEMAND), staging.get(BACKGROUND)
+        with self.lock:
+            on_demand, background = self.staging.get(ON_DEMAND), self.staging.get(BACKGROUND)
+            if self.mover is None:
+                background = None
             return {
                 "staging_host": on_demand.host if on_demand is not None else None,
                 "staging_device": on_demand.copier.staging if on_demand is not None else None,
-                "mover_staging_host": background.host if background is not None and store.mover is not None else None,
-                "mover_staging_device": background.copier.staging if background is not None and store.mover is not None
-                else None,
+                "mover_staging_host": background.host if background is not None else None,
+                "mover_staging_device": background.copier.staging if background is not None else None,
             }

@@ -136,9 +136,9 @@ class StoreState:
                 mask |= contains_mask(extra, block_ids)
         return mask
 
-    def movable_by(self, owner: int | None, protect: frozenset[int] = frozenset()) -> "LeaveAlone":
-        """A plan's predicate of blocks it must leave alone, for a plan made for `owner`'s step:
-        blocks in flight, pinned by any other step, or in `protect`."""
+    def leave_alone_for(self, owner: int | None, protect: frozenset[int] = frozenset()) -> "LeaveAlone":
+        """The predicate of blocks a plan made for `owner`'s step must leave alone (True: do not
+        move or drop it): blocks in flight, pinned by any other step, or in `protect`."""
         if owner is None and not protect:
             return self.is_pinned
         return LeaveAlone(self, owner, protect)
@@ -149,10 +149,6 @@ class StoreState:
             pinned.update(blocks)
             pinned.update(extra)
         return pinned
-
-    def pins_key(self) -> tuple:
-        """Which steps pin blocks and which blocks are in flight (compaction's "nothing changed" key)."""
-        return tuple(sorted(self._pins)), tuple(sorted(self.in_flight.keys()))
 
     # ---- freeing ---------------------------------------------------------------------------------
     def free_slot(self, tier: int, slot: int, after: CopyEvent | None = None) -> None:

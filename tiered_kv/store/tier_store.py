@@ -1,6 +1,9 @@
 """TierStore: one budget of hot/warm/cold blocks shared by every CacheBank that uses it.
 
-A thin façade over components that own their state (docs/design.md):
+A façade: it makes the components below, hands each the collaborators it uses (the state, the
+lock, the transfers, ...; none gets the store) and delegates to them (docs/design.md):
+  life.py        open, bound, closing, closed: what every component asks before it starts work
+  closing.py     close(): in order, from any thread, with moves in flight; the exit hook
   state.py       the block index, the tiers and their slot pools, pins, blocks in flight, deferred frees
   transfers.py   the one path bytes move by (prepare/launch/complete), by arrays (batches.py, reserving.py, ...)
   demand.py      moves a caller needs now, in rounds around the copies, sub-batches pipelined
@@ -8,10 +11,11 @@ A thin façade over components that own their state (docs/design.md):
   opening.py     a step's lease: room, copy-on-write, promotion, pins, token runs, at once
   leases.py      what a forward pass holds while it reads and writes its blocks without the lock
   placement.py   promote, prefetch, demote, undo, verify: moves a caller asks for by name
+  catalog.py     the blocks as banks hold them: references (retain, release), names (publish, look up)
   remote_io.py   fetches from other processes' cold files and the remote tier (write-in), remote writes
   mover.py       the background thread: prefetch, watermark and idle demotion, compaction
   compaction.py  where hot blocks lie and how to make a chat contiguous again
-  durability.py  durable records in at start, published blocks out to cold at close, flush; the durable
+  durability.py  durable records in at start, flush, published blocks out to cold at close; the durable
                  copies of blocks above cold (durable_copies.py) and their backups (write_behind.py)
   reporting.py   stats() and the cheap counters (consistency.py: the self-check)
 
@@ -23,38 +27,31 @@ sections. A store is not copied by `copy.deepcopy`: copies of banks share it.
 
 from __future__ import annotations
 
-import atexit
-import logging
-import threading
-import time
-import weakref
-
 import numpy as np
 import torch
 
-from ..blocks import COLD, TIER_NAMES, KVLayout
+from ..blocks import COLD, KVLayout
 from ..config import Config, load_config
-from ..errors import BankClosedError, LayoutError
-from ..hw.copy_engine import make_copy_engine
+from ..errors import LayoutError
 from ..hw.devices import resolve_device, resolve_pinned
-from ..hw.link_monitor import make_link_monitor
 from ..metrics.registry import Metrics
 from ..metrics.stores import register_store
 from ..pool import SlotPool
-from ..remote import RemoteTier
 from ..scheduler import MemScheduler
 from ..scheduler.access_log import AccessLog
 from ..scheduler.mem_scheduler import Watermarks
 from ..scheduler.restore import Rates
-from ..tiers.cold_files import ColdDirectory
-from . import building, durability
+from . import building
 from .building import STAGING_BYTES
 from .allocation import PIN_WAIT_S, Allocation
+from .catalog import Catalog
+from .closing import Closing, close_at_exit
 from .compaction import HotCompaction
 from .demand import DemandMoves
 from .device_slab import DeviceSlab
-from .durable_copies import DurableCopies
+from .durability import Durability, bind_cold
 from .leases import StepLease, StepRequest
+from .life import StoreLife
 from .lock import StoreLock
 from .mover import Mover
 from .opening import Opening
@@ -65,23 +62,6 @@ from .state import StoreState
 from .token_map import TokenMapper
 from .transfers import Transfers
 
-log = logging.getLogger(__name__)
-
-CLOSE_WAIT_S = 30.0  # how long close() waits for running steps to end
-
-_OPEN_STORES: "weakref.WeakSet[TierStore]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_stores() -> None:
-    """At interpreter exit, close every store still open (most programs never call close()), so
-    published blocks reach the durable cold tier while the modules they need are still there."""
-    for store in list(_OPEN_STORES):
-        try:
-            store.close()
-        except Exception as error:  # exiting anyway: say so, keep closing the others
-            log.warning("closing a store at exit failed: %s", error)
-
 
 class TierStore:
     def __init__(self, config: Config | dict | str | None = None):
@@ -89,51 +69,46 @@ class TierStore:
         self.device = resolve_device(self.config.hot.device)
         self.pinned = resolve_pinned(self.config.warm.pinned, self.device)
         self.lock = StoreLock()
+        self.life = StoreLife()
         self.metrics = Metrics(self.config.metrics.enabled)
         self.state = StoreState(self.metrics)
-        self.state.on_collected = lambda owner: self.opening.forget(owner)  # a bank the collector took
         settings = self.config.scheduler
         self.access_log = AccessLog.from_settings(settings)
         self.access_log.follow(self.state.index)  # it forgets the blocks the index removes: memory follows live blocks
         self.rates = Rates()  # read rates and the prefill cost, measured: what a turn restores (restore.py)
         self.scheduler = MemScheduler(settings, self.access_log)
         self.compaction = HotCompaction(self.state, self.access_log, settings)
-        self.reporting = Reporting(self)
-        self.opening = Opening(self)
-        self.allocation = Allocation(self)
-        self.placement = Placement(self)
-        self.remote_io = RemoteIO(self)
+        # made by bind(), for one KV layout (their sizes follow from it)
         self.layout: KVLayout | None = None
         self.dtype: torch.dtype | None = None
         self.watermarks: Watermarks | None = None
         self.transfers: Transfers | None = None
         self.demand: DemandMoves | None = None
         self.mapper: TokenMapper | None = None
-        self.device_slab: DeviceSlab | None = None  # what a prepared step addresses (device_slab.py), once bound
-        self.mover: Mover | None = None
-        self._closing = False  # close() began: no new lease, no background move
-        self._closed = False
-        self._close_lock = threading.Lock()
-        self._num_owners = 0  # banks that created this store and close it together
-        self._cold_directory: ColdDirectory | None = None
-        self.remote: RemoteTier | None = None
-        self.cold_unavailable: str | None = None  # why this store runs without its cold tier
+        self.device_slab: DeviceSlab | None = None  # what a prepared step addresses (device_slab.py)
+        self.mover: Mover | None = None  # (None as well with scheduler.background off)
+        self.allocation: Allocation | None = None
+        self.placement: Placement | None = None
+        self.opening: Opening | None = None
+        self.remote_io: RemoteIO | None = None
+        self.durability: Durability | None = None
         self.peers = None  # other processes' cold files on this cold.path (tiers/cold_peers.py), once bound
-        self.link_monitor = make_link_monitor(self.device)
         register_store(self)
-        _OPEN_STORES.add(self)
-        try:
-            self.copy_engine = make_copy_engine(self.device, self.config.copies.engine, self.config.copies.delay_us)
-            self.state.step_fences.engine = self.copy_engine  # fences on the streams steps run on
-            if self.config.cold.capacity_blocks != 0 and self.config.cold.capacity_bytes != 0:
-                # fail at start, not at the first spill, when the cold directory is unusable
-                self._cold_directory, self.cold_unavailable = building.open_cold(self.config.cold.path)
-            if self.config.remote.enabled:  # a wrong password (or, when required, a server down) fails the start
-                self.remote = RemoteTier(self.config.remote, self.metrics)
+        try:  # (cold_unavailable: why this store runs without a cold tier of its own)
+            self.link_monitor, self.copy_engine, self._cold_directory, self.cold_unavailable, self.remote = \
+                building.start(self.config, self.device, self.metrics)
         except BaseException:
-            self.copy_engine = getattr(self, "copy_engine", None)
-            self.close()
+            self.life.closed = True  # (start closed what it opened)
             raise
+        self.state.step_fences.engine = self.copy_engine  # fences on the streams steps run on
+        self._closing = Closing(self.lock, self.life, self.state, self.link_monitor, self.copy_engine,
+                                self._cold_directory, self.remote)
+        close_at_exit(self.close)
+        self.reporting = Reporting(self.lock, self.life, self.state, self.metrics, self.config, self.compaction,
+                                   self.access_log, self.rates, self.link_monitor, self.copy_engine, self.remote,
+                                   self.device, self.pinned)
+        self.catalog = Catalog(self.lock, self.life, self.state, self.compaction, self.metrics, self.remote,
+                               self.config.cold.write_behind_s)
 
     def __deepcopy__(self, memo):
         return self  # a store is a shared resource: copies of banks share it
@@ -164,22 +139,22 @@ class TierStore:
 
     @property
     def is_bound(self) -> bool:
-        return self.layout is not None
+        return self.life.bound
 
     @property
     def is_closed(self) -> bool:
-        return self._closed
+        return self.life.closed
 
     @property
     def is_closing(self) -> bool:
-        return self._closing or self._closed
+        return self.life.is_closing
 
     # ---- binding ---------------------------------------------------------------------------------
     def bind(self, layout: KVLayout, dtype: torch.dtype) -> None:
         """Preallocate every tier for `layout`. A store serves one KV layout for its lifetime."""
         with self.lock:
             self.check_open()
-            if self.layout is not None:
+            if self.life.bound:
                 if layout != self.layout or dtype != self.dtype:
                     raise LayoutError(
                         f"this TierStore serves KV layout {self.layout} ({self.dtype}); got {layout} ({dtype}). "
@@ -188,40 +163,55 @@ class TierStore:
             try:
                 self._bind(layout, dtype)
             except BaseException:
-                self._closed = True  # a failed start removes what it made (files, threads) and this store
-                self._release_resources(failed_start=True)
+                self.life.closed = True  # a failed start removes what it made (files, threads) and this store
+                self._closing.release(self.transfers, self.peers, failed_start=True)
                 raise
-        if self.config.scheduler.background:
-            self.mover = Mover(self, self.config.scheduler.mover_interval_s)
+        if self.mover is not None:
+            self.mover.start()
         if self.remote is not None:
             self.remote.bind(layout.stored(self.config.remote.compression), self.remote_io.read_block_bytes)
 
     def _bind(self, layout: KVLayout, dtype: torch.dtype) -> None:
-        made = self.state.tiers  # what building made, closed by _release_resources if it fails partway
+        made = self.state.tiers  # what building made, closed by Closing.release if it fails partway
         tiers, pools, unavailable = building.build_tiers(self.config, layout, dtype, self.device, self.pinned,
                                                          self._cold_directory, made, self.cold_unavailable is None)
         self.cold_unavailable = self.cold_unavailable or unavailable
         self.peers = building.peers_of(self._cold_directory, layout.stored(self.config.cold.compression), tiers[COLD])
         staging = building.build_staging(layout, dtype, self.device, self.pinned, [p.num_slots for p in pools])
-        if tiers[COLD] is not None:
-            durability.import_durable_records(self.state.index, tiers[COLD], pools[COLD])
-            tiers[COLD].metrics = self.metrics  # its durable writer times its writes and counts failures
-            self.state.copies = DurableCopies(self.config.cold.admit)
+        self.state.copies = bind_cold(self.state.index, tiers[COLD], pools[COLD], self.metrics, self.config.cold.admit)
         self.state.bind(tiers, pools)
-        tier_block_bytes = [stored.block_bytes for stored in building.stored_layouts(self.config, layout)]
-        self.transfers = Transfers(self.state, self.copy_engine, self.metrics, self.link_monitor, tier_block_bytes,
-                                   staging, self.rates)
+        stored = building.stored_layouts(self.config, layout)
+        self.transfers = Transfers(self.state, self.copy_engine, self.metrics, self.link_monitor,
+                                   [s.block_bytes for s in stored], staging, self.rates)
         self.demand = DemandMoves(self.lock, self.state, self.transfers, layout.block_bytes)
         self.mapper = TokenMapper(tiers, layout, self.device, dtype, self.metrics)
         self.device_slab = DeviceSlab(tiers, self.device, layout.block_size)
         self.layout, self.dtype = layout, dtype
         self.watermarks = building.watermarks_of(self.config, self.capacities)
+        # the components that serve blocks, each given what it uses (docs/design.md)
+        lock, life, state, scheduler, access_log, compaction = \
+            self.lock, self.life, self.state, self.scheduler, self.access_log, self.compaction
+        transfers, demand, metrics = self.transfers, self.demand, self.metrics
+        if self.config.scheduler.background:  # (its thread starts once bind() let go of the lock)
+            self.mover = Mover(lock, life, state, scheduler, access_log, compaction, transfers, self.link_monitor,
+                               self.watermarks, self.config, layout.block_bytes)
+        self.allocation = Allocation(lock, life, state, scheduler, compaction, demand, transfers, layout)
+        self.placement = Placement(lock, life, state, scheduler, access_log, compaction, demand, self.mover)
+        self.opening = Opening(lock, life, state, self.config.block_size, metrics, access_log, compaction,
+                               self.mapper, self.allocation, self.placement, self.mover)
+        state.on_collected = self.opening.forget  # a bank the collector took
+        self.remote_io = RemoteIO(lock, life, state, transfers, demand, self.allocation.allocate_pinned,
+                                  self.catalog.publish_many, metrics, self.rates, layout, dtype, self.pinned,
+                                  self.remote, self.peers)
+        self.durability = Durability(lock, life, state, scheduler, transfers, demand, metrics)
+        self.reporting.bind(stored, self.cold_unavailable, staging, self.mover)
+        self.life.bound = True
 
     # ---- steps -----------------------------------------------------------------------------------
     def open_step(self, request: StepRequest) -> StepLease | None:
         """A lease on everything one forward pass reads and writes (opening.py), or None: retry
         once something changed (`wait_for_change`). BankClosedError on a closed store."""
-        return self.opening.open_step(request)
+        return self._bound(self.opening).open_step(request)
 
     @property
     def change_version(self) -> int:
@@ -233,8 +223,14 @@ class TierStore:
         return self.state.changes.wait(since, timeout_s)
 
     def check_open(self) -> None:
-        if self._closing or self._closed:
-            raise BankClosedError("this TierStore is closed (or closing); create a new store and bank")
+        self.life.check_open()
+
+    def _bound(self, component):
+        """`component`, which bind() made; BankClosedError on a closed store, else RuntimeError before bind."""
+        if component is None:
+            self.check_open()
+            raise RuntimeError("this TierStore is not bound to a KV layout yet: bind() it first (a bank does)")
+        return component
 
     # ---- blocks -----------------------------------------------------------------------------------
     def allocate(self, num_blocks: int, protect: frozenset[int] = frozenset(),
@@ -244,22 +240,14 @@ class TierStore:
         PIN_WAIT_S for running steps to free the room they hold. `follow` (per group of the new
         blocks, in order: how many, and the block they continue or None) gives each group
         consecutive hot slots, right after that block's when free: one slice for attention."""
-        return self.allocation.allocate(num_blocks, protect, follow)
+        return self._bound(self.allocation).allocate(num_blocks, protect, follow)
 
     def retain(self, block_ids: list[int]) -> None:
-        with self.lock:
-            for block_id in block_ids:
-                self.state.index.incref(block_id)
-            self.compaction.note_layout_change()  # another table now holds these blocks
+        self.catalog.retain(block_ids)
 
     def release(self, block_ids: list[int], for_good: bool = False) -> None:
-        """Drop one reference each. Unreferenced published blocks stay as reusable cache, unless
-        `for_good`: blocks that left a sliding window, which nobody reads again (never moved down)."""
-        with self.lock:
-            if self._closed:
-                return
-            self.state.release(block_ids, keep_published=not for_good)
-            self.state.changes.bump()
+        """Drop one reference each; `for_good`: never kept as cache (catalog.py)."""
+        self.catalog.release(block_ids, for_good)
 
     def release_later(self, block_ids: list[int], owner: int) -> None:
         """For a bank the garbage collector took: its references and pins go at the store's next
@@ -271,7 +259,7 @@ class TierStore:
         with self.lock:
             return self.state.placements(block_ids)
 
-    # ---- content addressing ------------------------------------------------------------------------
+    # ---- content addressing (catalog.py) ---------------------------------------------------------------
     def publish(self, block_id: int, key: bytes, root: bytes | None = None) -> bool:
         """Name a full, verified block by its key (chained from `root`, the model fingerprint) so
         other banks, and with a cold tier later processes, can reuse it."""
@@ -279,72 +267,53 @@ class TierStore:
 
     def publish_many(self, items: list[tuple[int, bytes, bytes | None]], local: bool = True) -> list[bool]:
         """`local`: computed here (False: fetched from another process or the remote tier)."""
-        with self.lock:
-            out = [self.state.index.publish(block_id, key, root) for block_id, key, root in items]
-            durability.published(self, [item for item, ok in zip(items, out) if ok], local)
-            return out
+        return self.catalog.publish_many(items, local)
 
     def lookup_and_retain(self, keys: list[bytes]) -> list[int]:
         """The blocks of the longest run of `keys` (from the first) that the store holds intact,
         each retained once for the caller."""
-        with self.lock:
-            index, found = self.state.index, []
-            for key in keys:
-                block_id = index.lookup(key)
-                if block_id is None or index.get(block_id).is_corrupt:
-                    self.metrics.misses.inc()
-                    break
-                found.append(block_id)
-            for block_id in found:
-                index.incref(block_id)
-            if found and self.state.copies is not None:  # another chat reads them (cold.admit: reused)
-                self.state.copies.reused(found, time.monotonic())
-            if found:
-                self.compaction.note_layout_change()  # a table takes up blocks laid out for another
-            return found
+        return self.catalog.lookup_and_retain(keys)
 
     def holds(self, keys: list[bytes]) -> list[bool]:
         """Whether the store holds each key's block intact (nothing retained)."""
-        with self.lock:
-            index = self.state.index
-            return [(b := index.lookup(key)) is not None and not index.get(b).is_corrupt for key in keys]
+        return self.catalog.holds(keys)
 
     def fetch_remote(self, keys: list[bytes], root: bytes) -> list[int]:
         """After a local miss: the leading run of `keys` that other stores' cold files here, then the remote
         server, hold intact, as new published blocks retained once for the caller (remote_io.py)."""
-        found = self.remote_io.fetch_peers(keys, root)
-        return found if len(found) == len(keys) else found + self.remote_io.fetch(keys[len(found):], root)
+        return self.remote_io.fetch_elsewhere(keys, root) if self.remote_io is not None else []
 
     # ---- placement (placement.py) --------------------------------------------------------------------
     def promote(self, block_ids: list[int], owner: int | None = None) -> list[int]:
         """Bring blocks up (hot first), now; returns the ids found corrupt on the way (never served)."""
-        return self.placement.promote(block_ids, owner)
+        return self._bound(self.placement).promote(block_ids, owner)
 
     def prefetch(self, owner: int, block_ids: list[int], deadline_s: float | None = None) -> None:
         """Bring `owner`'s blocks up in the background and return at once (without a mover: now)."""
-        self.placement.prefetch(owner, block_ids, deadline_s)
+        self._bound(self.placement).prefetch(owner, block_ids, deadline_s)
 
     def demote(self, block_ids: list[int], dst_tier: int) -> list[int]:
         """Move blocks down to `dst_tier` (WARM or COLD) as far as room allows; returns corrupt ids."""
-        return self.placement.demote(block_ids, dst_tier)
+        return self._bound(self.placement).demote(block_ids, dst_tier)
 
     def forget_chat(self, owner: int) -> None:
         """A bank closed: its access history no longer describes a live chat."""
         with self.lock:
-            self.opening.forget(owner)
+            if self.opening is not None:
+                self.opening.forget(owner)
 
     def wait_for_background(self, timeout_s: float = 30.0) -> bool:
         """Wait until the mover has no prefetch request, no batch in flight and no compaction to
         do (for tests and benchmarks that need a settled store). True when settled in time."""
-        return self.placement.wait_for_background(timeout_s)
+        return self.placement is None or self.placement.wait_for_background(timeout_s)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Every published block durable in cold now (write-behind, not waiting); False: not in `timeout_s`."""
-        return durability.flush(self, timeout_s)
+        return self.durability is None or self.durability.flush(timeout_s)
 
     def verify(self, block_ids: list[int]) -> list[int]:
         """Check the cold blocks among `block_ids` against their checksums; returns (and marks) the bad ones."""
-        return self.placement.verify(block_ids)
+        return self.placement.verify(block_ids) if self.placement is not None else []
 
     # ---- reporting (reporting.py) ----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -356,87 +325,19 @@ class TierStore:
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def add_owner(self) -> None:
-        with self.lock:
-            self._num_owners += 1
+        self._closing.add_owner()
 
     def drop_owner(self) -> None:
         """A bank that owns this store closed; the last one closes the store."""
-        with self.lock:
-            self._num_owners -= 1
-            last = self._num_owners <= 0
-        if last:
+        if self._closing.drop_owner():
             self.close()
 
     def close(self) -> None:
         """Close from any thread, with moves in flight: refuse new leases and background moves, join
         every thread the store owns (remote writer, mover, copy engine, cold writer and
         readers, NVML sampler), move published blocks to cold and wait until durable, release the
-        tiers. Steps still running on other threads get CLOSE_WAIT_S to end first."""
-        if self.lock.held_by_me:
-            raise RuntimeError("TierStore.close() was called under the store's own lock; this is a bug in tiered_kv")
-        with self._close_lock:
-            if self._closed:
-                return
-            with self.lock:
-                self._closing = True
-            if self.remote is not None:
-                self.remote.close()  # its writer reads blocks through the transfers: before they stop
-            if self.mover is not None:
-                self.mover.stop()
-            self._wait_for_leases(CLOSE_WAIT_S)  # running steps end first
-            if self.is_bound:
-                try:
-                    with self.lock:
-                        self.state.drain()
-                    durability.persist_before_close(self)
-                except Exception as error:
-                    log.warning("closing: saving published blocks failed: %s", error)
-            with self.lock:
-                self._closed = True
-            self._release_resources()
-            self.state.changes.bump()
-
-    def _wait_for_leases(self, timeout_s: float) -> None:
-        """Until the steps running on other threads ended (this thread's own cannot end meanwhile)."""
-        deadline = time.monotonic() + timeout_s
-        me = threading.get_ident()
-        while True:
-            version = self.change_version
-            with self.lock:
-                self.state.drain()  # leases of banks the collector took end here
-                running = sum(1 for lease in self.state.leases.values() if lease.thread_id != me)
-            if not running:
-                return
-            if not self.wait_for_change(version, deadline - time.monotonic()):
-                log.warning("closing: %d step(s) still running on other threads after %.0f s; their reads of this "
-                            "store now fail", running, timeout_s)
-                return
-
-    def _release_resources(self, failed_start: bool = False) -> None:
-        """Stop the engine and the sampler, close the tiers and the cold directory (idempotent); a
-        failed start also removes the files and directories it made."""
-        if self.remote is not None:
-            self.remote.close(flush=False)
-        if self.transfers is not None:
-            self.transfers.close()
-        elif getattr(self, "copy_engine", None) is not None:
-            self.copy_engine.close()
-        self.link_monitor.close()
-        for i, tier in enumerate(self.state.tiers):
-            if tier is not None:
-                try:
-                    tier.close()
-                except Exception as error:  # keep closing the others
-                    log.warning("closing the %s tier failed: %s", TIER_NAMES[i], error)
-        self.state.tiers[:] = [None] * len(self.state.tiers)
-        if self.peers is not None:
-            self.peers.close()
-        if self._cold_directory is not None:
-            if failed_start:
-                self._cold_directory.abort()
-            else:
-                self._cold_directory.close()  # releases its lock; keeps the block files
-            self._cold_directory = None
+        tiers. Steps still running on other threads get CLOSE_WAIT_S to end first (closing.py)."""
+        self._closing.close(self.mover, self.durability, self.transfers, self.peers)
 
     def __del__(self):
         try:

@@ -64,9 +64,9 @@ class Transfers:
         self.closed = False  # after close(): nothing is prepared any more
 
     # ---- prepare (store lock held) -------------------------------------------------------------
-    def prepare(self, moves, mode: str, movable=None) -> TransferBatch:
+    def prepare(self, moves, mode: str, leave_alone=None) -> TransferBatch:
         """A batch of the moves (a Plan, or a list of Move) that can go now: each block's first
-        move, the block still where the move says, not in flight, not named by `movable` (a plan's
+        move, the block still where the move says, not in flight, not named by `leave_alone` (a plan's
         predicate of blocks to leave alone), and with a free destination slot (the first moves in
         plan order get them). The others wait for a later batch, planned afresh
         (`batch.num_left_out` counts them). Destination slots are taken per tier at once, in as
@@ -75,7 +75,7 @@ class Transfers:
         plan = moves if isinstance(moves, Plan) else Plan(moves)
         if self.closed or not plan.num_moves:  # (closed: a caller still running while its store closed)
             return batch
-        reserving.prepare_moves(self.state, batch, plan, movable)
+        reserving.prepare_moves(self.state, batch, plan, leave_alone)
         self.state.report_evictions(batch.num_evictions, "the background mover" if mode == BACKGROUND else "a plan")
         return batch
 
