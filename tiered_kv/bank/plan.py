@@ -266,8 +266,7 @@ def _prepare_block_gather(plan: StepPlan, slab: DeviceSlab, buffer: GatherBuffer
     plan.read_k, plan.read_v = keys[:, :, :num_tokens], values[:, :, :num_tokens]
     if num_rows == 1:  # rows of whole blocks: (K or V, head, block) -> a row of the slab's block rows
         plan.gather_sources = slab.layers_block_rows
-        rows = np.arange(2 * heads, dtype=np.int64)[:, None] * slab.num_slots + blocks[0][None, :]
-        plan.gather_index = torch.from_numpy(rows.reshape(-1)).to(device, non_blocking=True)
+        plan.gather_index = _row_index(blocks[0], heads, slab.num_slots, device)
         return
     plan.gather_sources = slab.layers_blocks
     _set_gather_index(plan, blocks, heads, device)
@@ -286,11 +285,17 @@ def _prepare_token_gather(plan: StepPlan, slab: DeviceSlab, buffer: GatherBuffer
     positions = [slab.token_positions(b, 0, num_tokens) for b in blocks]
     if num_rows == 1:  # rows of one token's K or V of one head: (K or V, head, token) -> a slab row
         plan.gather_sources = slab.layers_token_rows
-        rows = np.arange(2 * heads, dtype=np.int64)[:, None] * slab.num_tokens + positions[0][None, :]
-        plan.gather_index = torch.from_numpy(rows.reshape(-1)).to(device, non_blocking=True)
+        plan.gather_index = _row_index(positions[0], heads, slab.num_tokens, device)
         return
     plan.gather_sources = slab.layers_kv
     _set_gather_index(plan, positions, heads, device)
+
+
+def _row_index(positions: np.ndarray, heads: int, rows_per_head: int, device) -> torch.Tensor:
+    """One row's gather index into a layer's slab seen as rows `[2 * H * rows_per_head, ...]` (K's
+    heads, then V's): `positions` (blocks or tokens) of every head of K, then of V."""
+    rows = np.arange(2 * heads, dtype=np.int64)[:, None] * rows_per_head + positions[None, :]
+    return torch.from_numpy(rows.reshape(-1)).to(device, non_blocking=True)
 
 
 def _set_gather_index(plan: StepPlan, positions: list[np.ndarray], heads: int, device) -> None:

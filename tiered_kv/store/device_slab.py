@@ -37,12 +37,12 @@ class DeviceSlab:
         self.layers_kv = tuple(whole[layer] for layer in range(num_layers))  # [2, H, S, D]: what a token gather reads
         # [2, H, slots, block_size * D] per layer: what a block gather reads (a block's tokens of one
         # head are contiguous: whole blocks copy at memcpy speed)
-        self.layers_blocks = tuple(kv.view(2, heads, num_tokens // block_size, block_size * dim) for kv in self.layers_kv)
-        # the same as rows [2 * H * slots, block_size * D] (K's heads, then V's): one row's gather is an
-        # index_select along dim 0, about twice as fast on a CPU as along the slots' axis
-        self.layers_block_rows = tuple(b.view(-1, block_size * dim) for b in self.layers_blocks)
         self.num_slots = num_tokens // block_size
-        self.layers_token_rows = tuple(kv.view(-1, dim) for kv in self.layers_kv)  # [2 * H * S, D]: a token gather's
+        self.layers_blocks = tuple(kv.view(2, heads, self.num_slots, block_size * dim) for kv in self.layers_kv)
+        # the same as rows, [2 * H * slots, block_size * D] and [2 * H * S, D] (K's heads, then V's): one
+        # row's gather is an index_select along dim 0, about twice as fast on a CPU as along the slots' axis
+        self.layers_block_rows = tuple(b.view(-1, block_size * dim) for b in self.layers_blocks)
+        self.layers_token_rows = tuple(kv.view(-1, dim) for kv in self.layers_kv)
         self.layers_k = tuple(kv[0] for kv in self.layers_kv)  # [H, S, D]: what index_put_ writes
         self.layers_v = tuple(kv[1] for kv in self.layers_kv)
         self.layers_k1 = tuple(k.unsqueeze(0) for k in self.layers_k)  # [1, H, S, D]: what index_copy_ writes
