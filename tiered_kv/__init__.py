@@ -4,7 +4,7 @@ import logging
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())  # the application decides what is shown
 
-from .bank import CacheBank
+from .bank import BankBatch, CacheBank, RowFailure, forward_rows
 from .config import Config, load_config
 from .errors import BankClosedError, CapacityError, ConfigError, CorruptBlockError, LayoutError
 from .store import TierStore
@@ -12,6 +12,9 @@ from . import hooks  # tiered_kv.hooks.install(model, bank): paged attention ove
 
 __all__ = [
     "CacheBank",
+    "BankBatch",
+    "RowFailure",
+    "forward_rows",
     "TierStore",
     "Config",
     "load_config",

@@ -79,7 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     model, tokenizer = load_model(args.model, progress=not args.no_progress and not args.quiet)
     run_server(model, tokenizer, config, model_name_of(model, args.model), args.host, args.port, api_key,
-               args.max_active, args.max_queue)
+               args.max_active, args.max_queue, prefill_chunk=args.prefill_chunk, batch=not args.no_batch)
     return 0
 
 

@@ -194,6 +194,12 @@ def _add_serve_command(commands) -> None:
                        help="requests generated at once, a token each in turn (default: %(default)s)")
     serve.add_argument("--max-queue", type=_positive_int, default=64,
                        help="requests that may wait for a place before the server answers 429 (default: %(default)s)")
+    serve.add_argument("--prefill-chunk", type=_positive_int, default=256, metavar="TOKENS",
+                       help="prompt tokens computed per scheduler tick: a long new prompt delays the other "
+                            "conversations' next token by at most one such pass (default: %(default)s)")
+    serve.add_argument("--no-batch", action="store_true",
+                       help="one forward pass per request (the engine of earlier releases), not one per tick for "
+                            "every decoding conversation")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar while loading the model")
     _add_verbosity(serve)
 

@@ -6,7 +6,8 @@ forward the pre-hook finds the cache in the call (`cache=` or the deprecated
 `position_ids` of this call: the ids of the tokens whose KV the bank is about to store. This is
 what makes token identity verified rather than assumed (DESIGN.md invariant 2). The post-hook
 runs even when the forward raised (`always_call`), so a bank rolls a failed step back at once.
-The hooks hold no reference to any bank: the cache travels in each call's arguments.
+The hooks hold no reference to any bank: the cache travels in each call's arguments. A BankBatch
+(batch.py) hands each of its banks its own row.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from ..identity import refresh_for_forward
 from . import compiled
+from .batch import BatchSteps
 from .steps import StepMachine
 
 _INSTALLED_ATTR = "_tiered_kv_forward_watch"
@@ -27,7 +29,7 @@ def _cache_in(kwargs: dict):
     cache = kwargs.get("cache")
     if cache is None:
         cache = kwargs.get("past_key_values")
-    return cache if isinstance(getattr(cache, "steps", None), StepMachine) else None
+    return cache if isinstance(getattr(cache, "steps", None), (StepMachine, BatchSteps)) else None
 
 
 def _before_forward(module, args, kwargs):
@@ -36,6 +38,9 @@ def _before_forward(module, args, kwargs):
         input_ids = kwargs.get("input_ids")
         if input_ids is None and args:
             input_ids = args[0]
+        if isinstance(bank.steps, BatchSteps):  # a BankBatch: each bank is told its own row (bank/batch.py)
+            bank.steps.note_forward_inputs(module, input_ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+            return None
         if torch.compiler.is_compiling():  # inside a compiled decode forward: tensor ops only (compiled.py)
             compiled.note_inputs(bank.steps, input_ids, kwargs.get("position_ids"))
             return None

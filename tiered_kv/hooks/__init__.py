@@ -9,6 +9,7 @@ each layer reads is prepared by the bank before layer 0 (tiered_kv/bank/plan.py)
 """
 
 from ..bank.plan import PAGED_KEY
-from .install import MODES, check_servable, install, installed_mode, uninstall
+from .install import MODES, check_servable, install, install_attention, installed_mode, pass_through_reason, uninstall
 
-__all__ = ["install", "uninstall", "installed_mode", "check_servable", "MODES", "PAGED_KEY"]
+__all__ = ["install", "uninstall", "installed_mode", "check_servable", "install_attention", "pass_through_reason",
+           "MODES", "PAGED_KEY"]

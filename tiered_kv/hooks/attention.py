@@ -17,22 +17,31 @@ new token. The step's plan travels to attention in the kwargs dict the model pas
 would be silently wrong, so that raises (`MissingPlan`). Each row's mask must be one run of ones
 after its left padding, as generate() makes it. Float32 accumulation: equal to exact within ~1e-6
 relative, not bitwise. On CPU (no native kernels) merge is exact.
+
+Both functions attend a BankBatch's rows each over its own K/V (`BATCH_KEY`: bank/batch_attention.py).
 """
 
 from __future__ import annotations
 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..bank.batch_attention import BATCH_KEY
 from ..bank.plan import PAGED_KEY, MissingPlan, expected_plans
 
 
 def exact_attention(module, query, key, value, attention_mask, **kwargs):
+    rows = kwargs.pop(BATCH_KEY, None)
+    if rows is not None:  # a BankBatch: each row over its own K/V (bank/batch_attention.py)
+        return rows.attend(module, query, **kwargs), None
     if getattr(expected_plans, "plan", None) is not None:  # (a paged step's: see the module docstring)
         _missing_plan(module)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def merge_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    rows = kwargs.pop(BATCH_KEY, None)
+    if rows is not None:  # a BankBatch: each row over its own K/V (bank/batch_attention.py)
+        return rows.attend(module, query, dropout=dropout, scaling=scaling, **kwargs), None
     plan = kwargs.pop(PAGED_KEY, None)
     if plan is None:
         if getattr(expected_plans, "plan", None) is not None:

@@ -85,6 +85,12 @@ def install(model, bank, mode: str = "exact") -> None:
                  "its attention stays transformers' own and CacheBank serves it through update() (nothing was "
                  "patched)", model_type, reason)
         return
+    install_attention(model, mode)
+
+
+def install_attention(model, mode: str) -> None:
+    """Set `model`'s attention implementation to the hooks' `mode` (checked by the caller), keeping
+    the one it had for uninstall() (a BankBatch installs exact when a model runs none)."""
     state = getattr(model, _STATE_ATTR, None)
     previous = state.previous_implementation if state is not None else model.config._attn_implementation
     model.set_attn_implementation(MODES[mode][0])

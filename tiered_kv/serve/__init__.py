@@ -1,7 +1,8 @@
 """`tiered-kv serve`: an OpenAI-compatible chat server over CacheBank (issue 20).
 
-    engine.py    the shared TierStore, a bounded queue, the scheduler interleaving requests
-    decoding.py  one request's generation a forward pass at a time, token picks
+    engine.py    the shared TierStore, a bounded queue, the scheduler thread and its requests
+    ticks.py     what a tick computes: prompt chunks, then every decoding request in one forward pass
+    decoding.py  one request's generation: its bank, the tokens it has to compute, token picks
     background.py  the server in a thread of this process (tests, benchmarks)
     app.py       the HTTP side (Starlette, run by uvicorn): routes, streaming, errors
     protocol.py  the request checks, OpenAI's error and response shapes (no torch)
@@ -39,16 +40,21 @@ def api_key_from_env(name: str | None) -> str | None:
 
 
 def run_server(model, tokenizer, config, model_name: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-               api_key: str | None = None, max_active: int = 16, max_queue: int = 64) -> None:
+               api_key: str | None = None, max_active: int = 16, max_queue: int = 64, prefill_chunk: int | None = None,
+               batch: bool = True) -> None:
     """Serve until interrupted (uvicorn), then close the store (its blocks stay durable in cold)."""
     import uvicorn
 
     from .app import make_app
     from .engine import ChatEngine
 
-    engine = ChatEngine(model, tokenizer, config, model_name, max_active=max_active, max_queue=max_queue)
+    from .engine import DEFAULT_PREFILL_CHUNK
+    chunk = prefill_chunk if prefill_chunk is not None else DEFAULT_PREFILL_CHUNK
+    engine = ChatEngine(model, tokenizer, config, model_name, max_active=max_active, max_queue=max_queue,
+                        batch=batch, prefill_chunk=chunk)
     try:
-        log.warning("serving %s on http://%s:%d/v1 (%d requests at once, queue %d%s)", model_name, host, port, max_active,
+        log.warning("serving %s on http://%s:%d/v1 (%d requests at once%s, queue %d%s)", model_name, host, port,
+                    max_active, f" in one forward pass, prompts {chunk} tokens a pass" if batch else ", one at a time",
                     max_queue, ", API key required" if api_key else "")
         uvicorn.run(make_app(engine, api_key), host=host, port=port, log_level="warning")
     finally:

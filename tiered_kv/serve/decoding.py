@@ -1,11 +1,15 @@
-"""One request's generation, a forward pass at a time, so the engine can interleave many.
+"""One request's generation, so the engine can run many conversations' steps together.
 
-A `Sequence` owns the request's CacheBank. `prefill()` attaches the longest stored verified prefix
-and runs the model over the rest of the prompt: its logits give the first token. Each `decode()`
-feeds the last token and picks the next. The forward passes are the ones `model.generate(cache=bank)`
-runs (the uncached suffix with `logits_to_keep=1`, then one token at a time, positions and an
-all-ones mask over the whole sequence), and a `temperature: 0` pick is the argmax generate's greedy
-search takes, so a conversation served here gives the tokens a local greedy generate gives.
+A `Sequence` owns the request's CacheBank and the tokens it still has to compute (`pending`): after
+`start()` attached the longest stored verified prefix, the uncached rest of the prompt; then, once
+a token was picked, that token. The logits of the last pending token pick the next one. The
+engine computes pending tokens two ways (ticks.py): a sequence with many (a prompt) runs alone, a
+chunk of at most `--prefill-chunk` tokens a forward; every sequence with one (decode) is a row of
+one batched forward (tiered_kv.BankBatch). The forward passes are the ones
+`model.generate(cache=bank)` runs (positions continuing the bank, `logits_to_keep=1`), and a
+`temperature: 0` pick is the argmax of generate's greedy search, so a conversation served here
+gives the tokens a local greedy generate gives (a prompt longer than one chunk, or rows batched
+with other conversations, may round differently in the last bits: README, "Serving").
 
 A sampled pick (temperature > 0, top_p) draws from the request's own torch.Generator, seeded by
 the request's `seed` when given: concurrent requests never share or reseed a generator.
@@ -38,7 +42,8 @@ def pick_token(logits: torch.Tensor, temperature: float, top_p: float, generator
 
 
 class Sequence:
-    """A request being generated: its bank, the tokens so far and why it ended ("stop", "length")."""
+    """A request being generated: its bank, the tokens to compute, the tokens so far and why it
+    ended ("stop", "length")."""
 
     def __init__(self, model, store, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int],
                  temperature: float, top_p: float, seed: int | None, stops: tuple[str, ...], tokenizer, reuse: bool):
@@ -53,36 +58,55 @@ class Sequence:
         self.bank = CacheBank(model, store=store)
         self.cached_tokens = 0
         self.completion_ids: list[int] = []
+        self.pending: list[int] = []  # tokens whose KV the bank does not hold yet; the last one picks the next
         self.finish_reason: str | None = None
+        self.recomputed = 0  # times a corrupt block made it compute its history again
 
-    def prefill(self) -> int:
-        """Attach, then compute the uncached rest of the prompt; the first new token."""
+    def start(self) -> int:
+        """Attach the longest stored verified prefix; the rest of the prompt is pending. Returns
+        the number of prompt tokens reused."""
         ids = torch.tensor([self.prompt_ids], device=self.device)
         self.cached_tokens = self.bank.attach(ids) if self.reuse else 0
-        return self._forward(self.prompt_ids[self.cached_tokens:], self.cached_tokens)
+        self.pending = self.prompt_ids[self.cached_tokens:]
+        return self.cached_tokens
 
-    def decode(self) -> int:
-        """Feed the last token; the next one."""
-        return self._forward(self.completion_ids[-1:], len(self.prompt_ids) + len(self.completion_ids) - 1)
+    @property
+    def decoding(self) -> bool:
+        """One token to compute: a row of the next batched decode step."""
+        return len(self.pending) == 1
 
-    def _forward(self, new_ids: list[int], start: int) -> int:
-        total = start + len(new_ids)
+    def prefill(self, max_tokens: int) -> int | None:
+        """Compute up to `max_tokens` pending tokens alone; the picked token once none is left, else None."""
+        chunk = self.pending[:max_tokens]
+        start = self.bank.seq.num_tokens
+        total = start + len(chunk)
         positions = torch.arange(start, total, device=self.device)
         with torch.no_grad():
-            out = self.model(input_ids=torch.tensor([new_ids], device=self.device),
+            out = self.model(input_ids=torch.tensor([chunk], device=self.device),
                              attention_mask=torch.ones((1, total), dtype=torch.long, device=self.device),
-                             position_ids=positions.unsqueeze(0), cache_position=positions, cache=self.bank,
-                             use_cache=True, logits_to_keep=1)
-        token = pick_token(out.logits[0, -1], self.temperature, self.top_p, self.generator)
-        self._note(token)
-        return token
+                             position_ids=positions.unsqueeze(0), cache=self.bank, use_cache=True, logits_to_keep=1)
+        self.pending = self.pending[len(chunk):]
+        if self.pending:
+            return None
+        return self.picked(out.logits[0, -1])
 
-    def _note(self, token: int) -> None:
+    def picked(self, logits: torch.Tensor) -> int:
+        """The next token from the last pending token's logits (its KV is in the bank now)."""
+        token = pick_token(logits, self.temperature, self.top_p, self.generator)
         self.completion_ids.append(token)
+        self.pending = [token]
         if token in self.eos_ids or self._stop_seen():
             self.finish_reason = "stop"
         elif len(self.completion_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
+        return token
+
+    def recompute_from_bank(self) -> None:
+        """A corrupt block cut the bank short (it is never served): every known token after what
+        the bank still holds is pending again, computed as a prompt is."""
+        known = self.prompt_ids + self.completion_ids
+        self.pending = known[self.bank.seq.num_tokens:]
+        self.recomputed += 1
 
     def _stop_seen(self) -> bool:
         if not self.stops:

@@ -1,14 +1,17 @@
 """The server's generation side: one TierStore shared by every conversation, a bounded queue of
-requests, and one scheduler thread that interleaves the conversations a forward pass at a time.
+requests, and one scheduler thread that runs the conversations' forward passes.
 
 A request is the whole conversation (OpenAI clients are stateless). The scheduler renders it with
 the chat template and starts a Sequence (decoding.py): a CacheBank on the store that `attach()`es
 the longest stored verified prefix (from this conversation's last request, another conversation,
-an earlier process) and prefills the rest. Up to `max_active` sequences are generated at once,
-one token each in turn; a waiting request is prefilled before the next decode step (prefill
-first, as serving engines schedule), so its first token waits for one forward pass in flight and
-the prefills ahead of it, never for other replies to finish. A request whose client went away
-ends before its next forward pass, which frees its bank; the blocks stay in the store.
+an earlier process); the rest of the prompt is computed in chunks. Up to `max_active` sequences
+are generated at once: each tick (ticks.py) computes at most `prefill_chunk` prompt tokens, then
+one forward pass gives every decoding conversation its next token (a row each, tiered_kv.BankBatch).
+Waiting requests are admitted at the start of every tick, so a first token waits for the tick in
+flight and the prompt chunks ahead of it, never for other replies to finish. A request whose
+client went away ends before its next forward pass, which frees its bank; the blocks stay in the
+store. `batch=False` keeps the engine of earlier releases (one forward pass a request, prompts
+first): the baseline bench/serve.py measures against.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ import time
 
 from ..errors import CapacityError
 from ..store import TierStore
+from . import ticks
 from .decoding import Sequence
 from .protocol import ChatRequest, RequestError
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a tick computes (at most one such pass delays the others' next token)
 
 
 class Job:
@@ -52,11 +58,15 @@ class ChatEngine:
     most `max_queue` more waiting for a place."""
 
     def __init__(self, model, tokenizer, config, model_name: str, max_active: int = 16, max_queue: int = 64,
-                 reuse: bool = True):
-        """`reuse=False` re-prefills every request (no attach): the baseline bench/serve.py compares with."""
-        if max_active < 1 or max_queue < 1:
-            raise ValueError(f"ChatEngine(max_active={max_active}, max_queue={max_queue}): both must be >= 1")
+                 reuse: bool = True, batch: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        """`reuse=False` re-prefills every request (no attach), `batch=False` runs one forward pass
+        a request: the baselines bench/serve.py compares with. `prefill_chunk`: prompt tokens
+        computed per tick (batched mode)."""
+        if max_active < 1 or max_queue < 1 or prefill_chunk < 1:
+            raise ValueError(f"ChatEngine(max_active={max_active}, max_queue={max_queue}, prefill_chunk={prefill_chunk})"
+                             ": each must be >= 1")
         self.model, self.tokenizer, self.model_name, self.reuse = model, tokenizer, model_name, reuse
+        self.batch, self.prefill_chunk = batch, prefill_chunk
         self.max_active = max_active
         self.store = TierStore(config)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -64,8 +74,8 @@ class ChatEngine:
             else tokenizer.eos_token_id
         self.eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])] if eos is not None else []
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._active: collections.deque[tuple[Job, Sequence]] = collections.deque()
-        self._open = 0  # sequences whose bank is open: the active ones, and one between two steps
+        self.running: collections.deque[tuple[Job, Sequence]] = collections.deque()  # being generated, oldest first
+        self._open = 0  # sequences whose bank is open
         self._stopping = False
         self._thread = threading.Thread(target=self._schedule, name="tiered_kv-serve", daemon=True)
         self._thread.start()
@@ -114,69 +124,78 @@ class ChatEngine:
     def _schedule(self) -> None:
         try:
             while not self._stopping:
-                if self._admit_one(block=not self._active):
-                    continue  # prefill first: every waiting request starts before the next decode step
-                if self._active:
-                    self._decode_next()
+                self._admit(block=not self.running)
+                self._end_cancelled()
+                if not self.running:
+                    continue
+                if self.batch:
+                    ticks.batched_tick(self, self.prefill_chunk)
+                else:
+                    ticks.per_request_tick(self)
         finally:
             self._end_all()
 
-    def _admit_one(self, block: bool) -> bool:
-        """Start one waiting request (attach + prefill + its first token) if there is room; whether one was taken."""
-        if len(self._active) >= self.max_active:
-            return False
-        try:
-            job = self._queue.get(timeout=0.5) if block else self._queue.get_nowait()
-        except queue.Empty:
-            return False
-        if job is None or job.cancelled.is_set():
-            return job is not None
-        request = job.request
-        sequence = self._guarded(job, None, lambda: Sequence(
-            self.model, self.store, job.prompt_ids, job.max_new_tokens, self.eos_ids, request.temperature,
-            request.top_p, request.seed, request.stop, self.tokenizer, self.reuse))
-        if sequence is None:
-            return True
-        self._open += 1
-        job.completion_ids = sequence.completion_ids  # one list: the sequence appends, usage counts it
-        token = self._guarded(job, sequence, sequence.prefill)
-        if token is not None:
+    def _admit(self, block: bool) -> None:
+        """Start every waiting request there is room for (its attach; per-request mode: its whole
+        prompt and first token too, prompts first)."""
+        while len(self.running) < self.max_active:
+            try:
+                job = self._queue.get(timeout=0.5) if block else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if job is None or job.cancelled.is_set():
+                continue
+            request = job.request
+            sequence = self.guarded(job, None, lambda: Sequence(
+                self.model, self.store, job.prompt_ids, job.max_new_tokens, self.eos_ids, request.temperature,
+                request.top_p, request.seed, request.stop, self.tokenizer, self.reuse))
+            if sequence is None:
+                continue
+            self._open += 1
+            self.running.append((job, sequence))
+            job.completion_ids = sequence.completion_ids  # one list: the sequence appends, usage counts it
+            if self.guarded(job, sequence, sequence.start) is None:
+                continue  # (failed: told and closed)
             job.cached_tokens = sequence.cached_tokens
-            self._delivered(job, sequence, token)
-        return True
+            if not self.batch:
+                token = self.guarded(job, sequence, lambda: sequence.prefill(len(sequence.pending)))
+                if token is not None:
+                    self.delivered(job, sequence, token)
 
-    def _decode_next(self) -> None:
-        job, sequence = self._active.popleft()
-        if job.cancelled.is_set():
-            self._close(sequence)
-            return
-        token = self._guarded(job, sequence, sequence.decode)
-        if token is not None:
-            self._delivered(job, sequence, token)
+    def _end_cancelled(self) -> None:
+        for job, sequence in [a for a in self.running if a[0].cancelled.is_set()]:
+            self._remove(job, sequence)
 
-    def _delivered(self, job: Job, sequence: Sequence, token: int) -> None:
+    def delivered(self, job: Job, sequence: Sequence, token: int) -> None:
         job.emit("token", token)
         if sequence.finished or job.cancelled.is_set():
-            self._close(sequence)
+            self._remove(job, sequence)
             if not job.cancelled.is_set():
                 job.emit("done", sequence.finish_reason)
-        else:
-            self._active.append((job, sequence))
 
-    def _guarded(self, job: Job, sequence: Sequence | None, call):
+    def guarded(self, job: Job, sequence: Sequence | None, call):
         """`call()`'s result; None when it failed, the client told why and the sequence closed."""
         try:
             return call()
         except Exception as error:  # noqa: BLE001 - reported to the client (and logged when unexpected)
-            if sequence is not None:
-                try:
-                    self._close(sequence)
-                except Exception:  # noqa: BLE001 - the first error is the one to report
-                    log.exception("closing a failed request's bank failed")
-            job.emit("error", self._client_error(error))
+            self.failed(job, sequence, error)
             return None
 
-    def _close(self, sequence: Sequence) -> None:
+    def failed(self, job: Job, sequence: Sequence | None, error: BaseException) -> None:
+        """The request ends with `error` (its client is told); its bank is closed."""
+        if sequence is not None:
+            try:
+                self._remove(job, sequence)
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                log.exception("closing a failed request's bank failed")
+        job.emit("error", self._client_error(error))
+
+    def _remove(self, job: Job, sequence: Sequence) -> None:
+        try:
+            self.running.remove((job, sequence))
+        except ValueError:
+            return  # (ended already)
         try:
             sequence.close()
         finally:
@@ -197,9 +216,9 @@ class ChatEngine:
         """At shutdown: every request in flight or waiting gets an error and its bank is closed."""
         stopped = RequestError(503, "the server shut down before this reply was finished", type_="server_error",
                                code="shutting_down")
-        while self._active:
-            job, sequence = self._active.popleft()
-            self._close(sequence)
+        while self.running:
+            job, sequence = self.running[0]
+            self._remove(job, sequence)
             job.emit("error", stopped)
         while True:
             try:
