@@ -467,7 +467,7 @@ def test_lfu_lets_a_chat_busy_long_ago_go_before_one_busy_now():
         assert victims(sched, index, [2, 2, 0]) == [Move(blocks[first_victim], HOT, WARM)], half_life
 
 
-def test_lfu_by_default_lets_a_conversation_that_ended_go_before_one_going_on():
+def test_lfu_with_its_default_aging_lets_a_conversation_that_ended_go_before_one_going_on():
     """The sessions bench's closed trace in small: a chat of 12 turns (5 reads each) ends, then
     others chat for 64 turns, one of them 3 times. With the default aging (16 turns) the ended
     chat's 60 old reads count less than the 15 recent ones (with 1,000, they held hot forever)."""

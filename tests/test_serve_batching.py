@@ -35,15 +35,20 @@ def smollm2():
 
 
 class Forwards:
-    """(rows, new tokens) of every forward of the model while installed."""
+    """Every forward of the model while installed: the tokens each of its rows (conversations) adds."""
 
     def __init__(self, model):
-        self.shapes: list[tuple[int, int]] = []
+        self.rows: list[list[int]] = []
         self._handle = model.register_forward_pre_hook(self._seen, with_kwargs=True)
 
     def _seen(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        self.shapes.append(tuple(ids.shape))
+        packed = getattr(kwargs.get("cache"), "tokens_per_row", None)
+        self.rows.append(list(packed) if packed is not None else [ids.shape[1]] * ids.shape[0])
+
+    def decode_rows(self) -> list[int]:
+        """Per forward, how many conversations it gave a next token (rows of one token)."""
+        return [sum(n == 1 for n in rows) for rows in self.rows]
 
     def remove(self):
         self._handle.remove()
@@ -98,9 +103,8 @@ def test_decoding_conversations_share_one_forward_pass_and_answer_as_alone(smoll
     finally:
         forwards.remove()
     assert got == expected
-    decode_rows = [rows for rows, new in forwards.shapes if new == 1]
-    assert max(decode_rows) >= 3, forwards.shapes  # conversations decoded together
-    assert len(decode_rows) < len(CONTENTS) * NEW_TOKENS  # fewer passes than one a token
+    assert max(forwards.decode_rows()) >= 3, forwards.rows  # conversations decoded together
+    assert len(forwards.rows) < len(CONTENTS) * NEW_TOKENS  # fewer passes than one a token
 
 
 def test_a_long_prompt_is_computed_in_chunks_between_the_others_decode_steps(smollm2, tmp_path):
@@ -114,11 +118,12 @@ def test_a_long_prompt_is_computed_in_chunks_between_the_others_decode_steps(smo
         forwards.remove()
     assert all(isinstance(g, str) and g for g in got), got
     assert prompt_tokens > 3 * 32
-    assert max(new for _, new in forwards.shapes) <= 32  # no pass computed more than a chunk
-    chunks = [i for i, (rows, new) in enumerate(forwards.shapes) if new > 1]
-    # decode steps of the other conversations ran between the long prompt's chunks
-    between = [i for i in range(chunks[0], chunks[-1]) if forwards.shapes[i][1] == 1]
-    assert between, forwards.shapes
+    prompt_rows = [[n for n in rows if n > 1] for rows in forwards.rows]
+    assert max(sum(r) for r in prompt_rows) <= 32  # no pass computed more than a chunk of prompts
+    chunks = [i for i, r in enumerate(prompt_rows) if r]
+    assert len(chunks) >= 3, forwards.rows  # the long prompt took several passes
+    # the other conversations' decode steps went on in the passes that carried the long prompt's chunks
+    assert any(forwards.decode_rows()[i] >= 1 for i in chunks), forwards.rows
 
 
 def ask_body(content: str):
@@ -176,7 +181,7 @@ def test_a_failure_in_one_row_of_a_four_row_step_stays_in_its_row(smollm2, tmp_p
     finally:
         forwards.remove()
     assert got[:3] == expected[:3]  # the other rows' tokens are unaffected
-    assert max(rows for rows, new in forwards.shapes if new == 1) == 4  # the fault hit a 4-row step
+    assert max(forwards.decode_rows()) == 4  # the fault hit a 4-row step
     if outcome == "answer":
         assert got[3] == expected[3]
     elif outcome == "400":

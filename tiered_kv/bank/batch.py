@@ -23,6 +23,7 @@ one each for decode.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -67,10 +68,20 @@ class BankBatch(Cache):
     """A transformers Cache whose row i is `banks[i]` (module docstring). Build one per step (it
     is cheap) or keep one while the same conversations decode together."""
 
-    def __init__(self, banks):
+    def __init__(self, banks, tokens_per_row=None):
+        """`tokens_per_row`: the rows are packed, one after another along the sequence of a batch of
+        one (`input_ids` `[1, sum(tokens_per_row)]`), row i adding tokens_per_row[i] tokens: a prompt's
+        chunk and other conversations' decode tokens in one forward pass. None: a rectangle
+        `[len(banks), q]`, every row adding q tokens."""
         banks = list(banks)
         check_batch(banks)
         self.banks = banks
+        if tokens_per_row is not None:
+            tokens_per_row = [int(n) for n in tokens_per_row]
+            if len(tokens_per_row) != len(banks) or min(tokens_per_row) < 1:
+                raise ValueError(f"BankBatch(tokens_per_row={tokens_per_row}): give one count >= 1 per bank "
+                                 f"({len(banks)} banks)")
+        self.tokens_per_row = tokens_per_row
         first = banks[0]
         self.store, self.model_ref, self.layer_groups = first.store, first.model_ref, first.layer_groups
         self.num_layers = first.num_layers
@@ -93,9 +104,7 @@ class BankBatch(Cache):
             raise RuntimeError(f"BankBatch: layer {layer_idx} called cache.update() without the kwargs dict it hands "
                                "its attention, so attention cannot find the rows' own K/V; this model's attention "
                                "does not fit a BankBatch: run its banks one at a time")
-        if len(self.banks) != key_states.shape[0]:
-            raise ValueError(f"BankBatch of {len(self.banks)} banks got a batch of {key_states.shape[0]} rows; "
-                             "row i of the input is bank i")
+        self.check_shape(key_states.shape[0], key_states.shape[2])
         rows = self._rows
         if layer_idx == 0 or rows is None:
             rows = self._rows = RowsForAttention(self)
@@ -144,10 +153,37 @@ class BankBatch(Cache):
 
     # ---- one decode step for many conversations -----------------------------------------------------
     def positions(self, num_new_tokens: int = 1, device=None) -> torch.Tensor:
-        """`[B, num_new_tokens]` position ids: each row continues its own bank's tokens."""
+        """Position ids, each row continuing its own bank's tokens: `[B, num_new_tokens]`, or, packed,
+        `[1, sum(tokens_per_row)]`."""
         device = device if device is not None else self.store.device
+        if self.tokens_per_row is not None:
+            return torch.cat([torch.arange(bank.seq.num_tokens, bank.seq.num_tokens + n)
+                              for bank, n in zip(self.banks, self.tokens_per_row)])[None].to(device)
         starts = torch.tensor([bank.seq.num_tokens for bank in self.banks], dtype=torch.long)
         return (starts[:, None] + torch.arange(num_new_tokens)[None, :]).to(device)
+
+    def spans(self, num_tokens: int) -> list[tuple[int, int, int]]:
+        """Per row, where its tokens are in the forward's input: (batch index, first, end)."""
+        if self.tokens_per_row is None:
+            return [(r, 0, num_tokens) for r in range(len(self.banks))]
+        out, start = [], 0
+        for n in self.tokens_per_row:
+            out.append((0, start, start + n))
+            start += n
+        return out
+
+    @property
+    def is_packed(self) -> bool:
+        return self.tokens_per_row is not None
+
+    def check_shape(self, batch_rows: int, num_tokens: int) -> None:
+        if self.tokens_per_row is not None:
+            if batch_rows != 1 or num_tokens != sum(self.tokens_per_row):
+                raise ValueError(f"BankBatch packs {len(self.banks)} rows of {self.tokens_per_row} tokens: the input "
+                                 f"must be [1, {sum(self.tokens_per_row)}], got [{batch_rows}, {num_tokens}]")
+        elif len(self.banks) != batch_rows:
+            raise ValueError(f"BankBatch of {len(self.banks)} banks got a batch of {batch_rows} rows; row i of the "
+                             "input is bank i")
 
 
 @dataclass
@@ -160,13 +196,20 @@ class BatchOutput:
     failed: dict[int, BaseException] = field(default_factory=dict)
 
 
-def forward_rows(model, banks, input_ids: torch.Tensor, *, logits_to_keep: int = 1, **model_kwargs) -> BatchOutput:
+def forward_rows(model, banks, input_ids, **model_kwargs) -> BatchOutput:
     """One forward pass of `model` whose row i continues `banks[i]` with `input_ids[i]` (each at
-    its own position), committed in every bank. A row whose bank fails (a corrupt block, no room
+    its own position), committed in every bank; the logits of each row's last token. `input_ids`:
+    a `[B, q]` tensor, or a list of token-id lists of any lengths (packed into one sequence: a
+    prompt's chunk beside other conversations' decode tokens). A row whose bank fails (a corrupt block, no room
     left, a closed bank: `RowFailure`) is taken out: every row was rolled back, and the others run
     again without it, so one conversation's failure never costs another its token. Any other error
     (the model's own) rolls every row back and is raised. A batch of one runs its bank alone."""
     banks = list(banks)
+    ragged = not isinstance(input_ids, torch.Tensor)
+    rows = [list(map(int, ids)) for ids in input_ids] if ragged else None
+    if ragged and len(rows) != len(banks):
+        raise ValueError(f"forward_rows: {len(rows)} rows of ids for {len(banks)} banks")
+    device = next(model.parameters()).device
     failed: dict[int, BaseException] = {}
     for r, bank in enumerate(banks):
         try:
@@ -176,18 +219,26 @@ def forward_rows(model, banks, input_ids: torch.Tensor, *, logits_to_keep: int =
     alive = [r for r in range(len(banks)) if r not in failed]
     with torch.no_grad():
         while alive:
-            ids = input_ids[alive] if len(alive) < len(banks) else input_ids
             try:
                 if len(alive) == 1:
                     bank = banks[alive[0]]
-                    num_new = ids.shape[1]
-                    positions = torch.arange(bank.seq.num_tokens, bank.seq.num_tokens + num_new, device=ids.device)
-                    out = model(input_ids=ids, position_ids=positions[None], cache=bank, use_cache=True,
-                                logits_to_keep=logits_to_keep, **model_kwargs)
+                    ids = torch.tensor([rows[alive[0]]], device=device) if ragged else input_ids[alive]
+                    start = bank.seq.num_tokens
+                    positions = torch.arange(start, start + ids.shape[1], device=ids.device)
+                    logits = model(input_ids=ids, position_ids=positions[None], cache=bank, use_cache=True,
+                                   logits_to_keep=1, **model_kwargs).logits
+                elif ragged:
+                    lengths = [len(rows[r]) for r in alive]
+                    batch = BankBatch([banks[r] for r in alive], tokens_per_row=lengths)
+                    ids = torch.tensor([[t for r in alive for t in rows[r]]], device=device)
+                    last = torch.tensor(list(itertools.accumulate(lengths)), device=device) - 1
+                    logits = model(input_ids=ids, position_ids=batch.positions(device=device), cache=batch,
+                                   use_cache=True, logits_to_keep=last, **model_kwargs).logits[0][:, None]
                 else:
+                    ids = input_ids[alive] if len(alive) < len(banks) else input_ids
                     batch = BankBatch([banks[r] for r in alive])
-                    out = model(input_ids=ids, position_ids=batch.positions(ids.shape[1], ids.device), cache=batch,
-                                use_cache=True, logits_to_keep=logits_to_keep, **model_kwargs)
+                    logits = model(input_ids=ids, position_ids=batch.positions(ids.shape[1], ids.device), cache=batch,
+                                   use_cache=True, logits_to_keep=1, **model_kwargs).logits
             except RowFailure as failure:
                 failed[alive.pop(failure.row)] = failure.error
                 continue
@@ -196,7 +247,7 @@ def forward_rows(model, banks, input_ids: torch.Tensor, *, logits_to_keep: int =
                     failed[alive.pop()] = error
                     continue
                 raise
-            return BatchOutput(out.logits, alive, failed)
+            return BatchOutput(logits, alive, failed)
     return BatchOutput(None, [], failed)
 
 
@@ -216,11 +267,17 @@ class BatchSteps:
         if position_ids is None and len({bank.seq.num_tokens for bank in batch.banks}) > 1:
             raise ValueError("BankBatch: the rows hold different lengths; pass position_ids=batch.positions(q) so "
                              "each row continues its own conversation")
+        if isinstance(input_ids, torch.Tensor):
+            batch.check_shape(input_ids.shape[0], input_ids.shape[1])
+        spans = batch.spans(input_ids.shape[1]) if isinstance(input_ids, torch.Tensor) else None
         for r, bank in enumerate(batch.banks):
-            ids = input_ids[r:r + 1] if isinstance(input_ids, torch.Tensor) else None
+            ids = positions = None
+            if spans is not None:
+                b, start, end = spans[r]
+                ids = input_ids[b:b + 1, start:end]
+                if position_ids is not None:
+                    positions = position_ids[b:b + 1 if position_ids.shape[0] > 1 else 1, start:end]
             refresh_for_forward(bank, module, ids)
-            positions = None if position_ids is None else position_ids[r:r + 1] if position_ids.shape[0] > 1 \
-                else position_ids
             bank.steps.note_forward_inputs(module, ids, None, positions)
 
     def note_forward_end(self, failed: bool) -> None:

@@ -46,10 +46,13 @@ class RowsForAttention:
 
     def fill(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         kv = self.kv
+        self.spans = spans = self.batch.spans(key_states.shape[2])
         for r, bank in enumerate(self.batch.banks):
             seam: dict = {}
+            b, start, end = spans[r]
             try:
-                key, value = bank.update(key_states[r:r + 1], value_states[r:r + 1], layer_idx, kwargs=seam)
+                key, value = bank.update(key_states[b:b + 1, :, start:end], value_states[b:b + 1, :, start:end],
+                                         layer_idx, kwargs=seam)
             except Exception as error:  # (its bank rolled itself back; the forward's end rolls back the others)
                 if not is_row_error(error):
                     raise
@@ -61,20 +64,22 @@ class RowsForAttention:
         """`[B, q, Hq, D]`, as transformers' attention functions return it."""
         groups = self.batch.layer_groups
         group = groups.groups[groups.group_of_layer[module.layer_idx]]
-        num_new = query.shape[2]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        packed = self.batch.is_packed
         joined = self._joined if self._joined is not None else self._join_paged()
-        if joined:
+        if joined and not packed:
             return self._attend_joined(joined, module, query, scale)
         outs = []
         for r, (key, value, plan) in enumerate(self.kv):
+            b, start, end = self.spans[r]
+            row_query = query[b:b + 1, :, start:end]
             if plan is not None:  # a paged / split step: its own kernel over its blocks where they lie
-                outs.append(plan.attend(module, query[r:r + 1], None, scale))
+                outs.append(plan.attend(module, row_query, None, scale))
                 continue
-            mask = row_mask(group, self.batch.banks[r].seq.num_tokens, num_new, key.shape[2], query.device)
-            outs.append(sdpa_attention_forward(module, query[r:r + 1], key, value, mask, dropout=dropout,
+            mask = row_mask(group, self.batch.banks[r].seq.num_tokens, end - start, key.shape[2], query.device)
+            outs.append(sdpa_attention_forward(module, row_query, key, value, mask, dropout=dropout,
                                                scaling=scaling, **kwargs)[0])
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1 if packed else 0)
 
     def _join_paged(self):
         """When every row's step is paged over the same kernel sources: the rows' tables in one."""

@@ -26,12 +26,12 @@ class SchedulerConfig:
     `default_cost_sensitivity`) adds `cs_weight * CS` to a block's value under every policy (in
     the policy's unit: times `ali_window` for the step-valued ones; log2 turn heat under `turns`,
     where 0.5 is worth 8 turns of decay at the default half-life), so high-CS chats stay hot
-    longer and are the last victims. `lfu` (the default) ages its counts and `turns` ranks chats
+    longer and are the last victims. `lru` is the default (bench/policy_family.py, issue 35); `lfu` ages its counts and `turns` ranks chats
     by turn heat or by recency, whichever has lately predicted the next speaker better: see
     tiered_kv/scheduler/policies.py and access_log.py. `policy: ali` is accepted and means
     `turns` (its former name; `policy` then reads "turns").
     """
-    policy: str = "lfu"
+    policy: str = "lru"
     ali_window: int = 100  # store steps
     ali_hot: float = 0.7
     ali_warm: float = 0.3

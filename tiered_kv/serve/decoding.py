@@ -59,6 +59,7 @@ class Sequence:
         self.cached_tokens = 0
         self.completion_ids: list[int] = []
         self.pending: list[int] = []  # tokens whose KV the bank does not hold yet; the last one picks the next
+        self.started = False  # start() attached the stored prefix
         self.finish_reason: str | None = None
         self.recomputed = 0  # times a corrupt block made it compute its history again
 
@@ -68,6 +69,7 @@ class Sequence:
         ids = torch.tensor([self.prompt_ids], device=self.device)
         self.cached_tokens = self.bank.attach(ids) if self.reuse else 0
         self.pending = self.prompt_ids[self.cached_tokens:]
+        self.started = True
         return self.cached_tokens
 
     @property
@@ -89,6 +91,12 @@ class Sequence:
         if self.pending:
             return None
         return self.picked(out.logits[0, -1])
+
+    def computed(self, num_tokens: int, logits: torch.Tensor) -> int | None:
+        """`num_tokens` pending tokens are in the bank now (a batched step); `logits` are the last
+        one's: the picked token once none is pending, else None."""
+        self.pending = self.pending[num_tokens:]
+        return None if self.pending else self.picked(logits)
 
     def picked(self, logits: torch.Tensor) -> int:
         """The next token from the last pending token's logits (its KV is in the bank now)."""

@@ -136,8 +136,9 @@ class ChatEngine:
             self._end_all()
 
     def _admit(self, block: bool) -> None:
-        """Start every waiting request there is room for (its attach; per-request mode: its whole
-        prompt and first token too, prompts first)."""
+        """Take every waiting request there is room for. Per-request mode starts it now (attach, its
+        whole prompt, its first token: prompts first); batched mode attaches it when the tick
+        reaches its prompt (ticks.py), so it finds what the prompts before it published."""
         while len(self.running) < self.max_active:
             try:
                 job = self._queue.get(timeout=0.5) if block else self._queue.get_nowait()
@@ -155,13 +156,17 @@ class ChatEngine:
             self._open += 1
             self.running.append((job, sequence))
             job.completion_ids = sequence.completion_ids  # one list: the sequence appends, usage counts it
-            if self.guarded(job, sequence, sequence.start) is None:
-                continue  # (failed: told and closed)
-            job.cached_tokens = sequence.cached_tokens
-            if not self.batch:
+            if not self.batch and self.started(job, sequence):
                 token = self.guarded(job, sequence, lambda: sequence.prefill(len(sequence.pending)))
                 if token is not None:
                     self.delivered(job, sequence, token)
+
+    def started(self, job: Job, sequence: Sequence) -> bool:
+        """Attach the request's stored prefix (the rest of its prompt is pending); False when that failed."""
+        if self.guarded(job, sequence, sequence.start) is None:
+            return False  # (told and closed)
+        job.cached_tokens = sequence.cached_tokens
+        return True
 
     def _end_cancelled(self) -> None:
         for job, sequence in [a for a in self.running if a[0].cancelled.is_set()]:

@@ -1,15 +1,17 @@
-"""What one scheduler tick computes: every decoding conversation's next token in one forward pass.
+"""What one scheduler tick computes: one forward pass for every conversation with work to do.
 
-A tick (batched mode, the default):
-1. prefill: sequences with a prompt to compute (oldest first) run alone, a chunk each, until the
-   tick's `prefill_chunk` tokens are spent; a sequence whose last chunk ran picks its first token
-   (so a long new prompt delays the others' next token by at most one chunk's pass);
-2. decode: every sequence with one token to compute is a row of one forward (tiered_kv.forward_rows
-   over a BankBatch): each row attends its own history, picks its own token (its own sampling
-   settings and generator), and a row whose bank fails is taken out of the step and handled alone
-   (`row_failed`): a corrupt block is recomputed from the tokens the request knows, never served;
-   a row short of room is retried alone; anything else is that request's error. Rolled back rows
-   leave the others' tokens untouched.
+A tick (batched mode, the default) is one forward pass (tiered_kv.forward_rows over a packed
+BankBatch) whose rows are
+- every decoding conversation's one pending token, and
+- prompt chunks: sequences with a prompt to compute (oldest first) attach their stored prefix when
+  the tick first reaches them (so they find what the prompts before them published), then add a
+  chunk of their prompt, until the tick holds `prefill_chunk` prompt tokens. A long new prompt
+  thus adds at most one chunk to the others' next step; its last chunk picks its first token.
+Each row attends its own history and picks its own token (its own sampling settings and
+generator). A row whose bank fails is taken out of the step and handled alone (`row_failed`): a
+corrupt block is recomputed from the tokens the request knows, never served; a row short of room
+is retried alone; anything else is that request's error. Rolled back rows leave the others'
+tokens untouched.
 The per-request mode (`batch=False`, the baseline bench/serve.py compares with) runs one forward a
 request: a new request's whole prompt first, then one decode step for one request in turn.
 """
@@ -17,8 +19,6 @@ request: a new request's whole prompt first, then one decode step for one reques
 from __future__ import annotations
 
 import logging
-
-import torch
 
 from ..bank import forward_rows
 from ..errors import CapacityError, CorruptBlockError
@@ -29,53 +29,56 @@ MAX_RECOMPUTES = 2  # corrupt blocks met by one request before it gets the error
 
 
 def batched_tick(engine, prefill_chunk: int) -> None:
-    budget = prefill_chunk
+    """One forward pass: every decoding conversation's pending token, and prompt chunks (oldest
+    first) until `prefill_chunk` prompt tokens are in it."""
+    budget, rows = prefill_chunk, []
     for job, sequence in list(engine.running):
-        if budget <= 0:
-            break
-        if len(sequence.pending) > 1 and not job.cancelled.is_set():
+        if job.cancelled.is_set() or sequence.finished:
+            continue
+        if not sequence.started and (budget <= 0 or not engine.started(job, sequence)):
+            continue  # (its prompt's turn has not come, or its attach failed: told and closed)
+        if len(sequence.pending) == 1:
+            rows.append((job, sequence, sequence.pending))
+        elif budget > 0:
             take = min(budget, len(sequence.pending))
             budget -= take
-            token = engine.guarded(job, sequence, lambda: sequence.prefill(take))
-            if token is not None:
-                engine.delivered(job, sequence, token)
-    rows = [(job, sequence) for job, sequence in engine.running
-            if sequence.decoding and not sequence.finished and not job.cancelled.is_set()]
+            rows.append((job, sequence, sequence.pending[:take]))
     if rows:
-        decode_rows(engine, rows)
+        run_rows(engine, rows)
 
 
-def decode_rows(engine, rows: list) -> None:
-    """One forward for every row's pending token; each row's pick delivered, failures handled per row."""
-    sequences = [sequence for _, sequence in rows]
-    ids = torch.tensor([sequence.pending for sequence in sequences], device=sequences[0].device)
+def run_rows(engine, rows: list) -> None:
+    """One forward for every row's tokens (tiered_kv.forward_rows, packed); each row's pick delivered
+    once its pending tokens are all computed; failures handled per row."""
     try:
-        out = forward_rows(engine.model, [sequence.bank for sequence in sequences], ids)
-    except Exception:  # noqa: BLE001 - the model's own error, every row rolled back: each row alone finds whose
+        out = forward_rows(engine.model, [sequence.bank for _, sequence, _ in rows], [ids for _, _, ids in rows])
+    except Exception as error:  # noqa: BLE001 - the model's own error, every row rolled back: each row alone finds whose
         if len(rows) == 1:
-            job, sequence = rows[0]
-            engine.guarded(job, sequence, lambda: sequence.prefill(1))  # (raises again: the client is told)
+            engine.failed(rows[0][0], rows[0][1], error)
             return
-        log.warning("a batched decode step failed; its %d rows run one at a time", len(rows), exc_info=True)
+        log.warning("a batched step failed; its %d rows run one at a time", len(rows), exc_info=True)
         for row in rows:
-            decode_rows(engine, [row])
+            run_rows(engine, [row])
         return
     for i, r in enumerate(out.rows):
-        job, sequence = rows[r]
-        engine.delivered(job, sequence, sequence.picked(out.logits[i, -1]))
+        job, sequence, ids = rows[r]
+        token = sequence.computed(len(ids), out.logits[i, -1])
+        if token is not None:
+            engine.delivered(job, sequence, token)
     for r, error in out.failed.items():
-        row_failed(engine, *rows[r], error, alone=len(rows) == 1)
+        row_failed(engine, rows[r], error, alone=len(rows) == 1)
 
 
-def row_failed(engine, job, sequence, error: BaseException, alone: bool) -> None:
-    """A row taken out of a decode step (rolled back): recomputed, retried alone, or its error."""
+def row_failed(engine, row, error: BaseException, alone: bool) -> None:
+    """A row taken out of a step (rolled back): recomputed, retried alone, or its error."""
+    job, sequence, _ = row
     if isinstance(error, CorruptBlockError) and sequence.recomputed < MAX_RECOMPUTES:
         log.warning("a request's KV failed its checksum; its history is recomputed from token %d: %s",
                     sequence.bank.seq.num_tokens, error)
         sequence.recompute_from_bank()
         return
     if isinstance(error, CapacityError) and not alone:
-        decode_rows(engine, [(job, sequence)])  # with the others' steps done, it may fit alone
+        run_rows(engine, [row])  # with the others' steps done, it may fit alone
         return
     engine.failed(job, sequence, error)
 
@@ -89,4 +92,4 @@ def per_request_tick(engine) -> None:
         engine.delivered(job, sequence, token)
 
 
-__all__ = ["batched_tick", "decode_rows", "row_failed", "per_request_tick", "MAX_RECOMPUTES"]
+__all__ = ["batched_tick", "run_rows", "row_failed", "per_request_tick", "MAX_RECOMPUTES"]
