@@ -29,3 +29,18 @@ def test_serve_bench_smallest_size(tmp_path):
     assert streams["with_long_prompt"]["long_prompt_tokens"] >= 150
     assert math.isfinite(streams["gap_p95_ratio"]) and streams["alone"]["gaps"] > 0
     assert result["overhead"]["ratio_server_over_local"] > 0
+
+
+def test_batch_equality_bench_smallest_size(tmp_path):
+    out = tmp_path / "equality.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "batch_equality.py"), "--conversations", "2",
+                           "--new-tokens", "4", "--identical", "2", "--json", str(out)],
+                          timeout=600, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    for layout in ("packed", "rect"):
+        figures = result[layout]
+        assert figures["rows"] == 2 and 0 <= figures["share_equal"] <= 1
+        assert math.isfinite(figures["max_abs_logit_diff"]) and figures["batched_decode_tok_s"] > 0
+        assert figures["batch_of_one"]["max_abs_logit_diff"] == 0.0  # a batch of one runs its bank alone
+        assert figures["identical_rows"]["share_equal"] == 1.0

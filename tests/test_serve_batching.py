@@ -204,3 +204,16 @@ def test_a_request_larger_than_every_tier_gets_400_and_the_others_are_untouched(
 def test_engine_options_are_checked():
     with pytest.raises(ValueError, match="prefill_chunk=0"):
         ChatEngine(None, None, None, MODEL, prefill_chunk=0)
+
+
+def test_a_ticks_prompt_budget_costs_about_one_decode_pass_while_others_decode():
+    from tiered_kv.serve.ticks import MIN_PROMPT_TOKENS, PassTimes
+    times = PassTimes(weight=1.0)
+    assert times.prompt_budget(256, decoding=True) == 256  # nothing measured yet
+    times.note(0.1, prompt_tokens=0, decode_rows=8)  # a decode pass: 100 ms
+    times.note(0.1 + 64 * 0.004, prompt_tokens=64, decode_rows=8)  # + 4 ms a prompt token
+    assert times.prompt_budget(256, decoding=True) == 25  # 100 ms of prompt tokens
+    assert times.prompt_budget(256, decoding=False) == 256  # nobody waits: a whole chunk
+    assert times.prompt_budget(16, decoding=True) == 16
+    times.note(0.01, prompt_tokens=0, decode_rows=1)
+    assert times.prompt_budget(256, decoding=True) == MIN_PROMPT_TOKENS  # prompts always progress

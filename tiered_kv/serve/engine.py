@@ -5,8 +5,9 @@ A request is the whole conversation (OpenAI clients are stateless). The schedule
 the chat template and starts a Sequence (decoding.py): a CacheBank on the store that `attach()`es
 the longest stored verified prefix (from this conversation's last request, another conversation,
 an earlier process); the rest of the prompt is computed in chunks. Up to `max_active` sequences
-are generated at once: each tick (ticks.py) computes at most `prefill_chunk` prompt tokens, then
-one forward pass gives every decoding conversation its next token (a row each, tiered_kv.BankBatch).
+are generated at once: each tick (ticks.py) is one forward pass (tiered_kv.BankBatch) giving every
+decoding conversation its next token, with prompt chunks of at most `prefill_chunk` tokens (while
+others decode, as many as cost about one decode pass).
 Waiting requests are admitted at the start of every tick, so a first token waits for the tick in
 flight and the prompt chunks ahead of it, never for other replies to finish. A request whose
 client went away ends before its next forward pass, which frees its bank; the blocks stay in the
@@ -67,6 +68,7 @@ class ChatEngine:
                              ": each must be >= 1")
         self.model, self.tokenizer, self.model_name, self.reuse = model, tokenizer, model_name, reuse
         self.batch, self.prefill_chunk = batch, prefill_chunk
+        self.pass_times = ticks.PassTimes()  # what a tick's pass costs: its prompt budget while others decode
         self.max_active = max_active
         self.store = TierStore(config)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
