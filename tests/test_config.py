@@ -27,7 +27,7 @@ def test_default_yaml_values():
         warm=WarmConfig(capacity_bytes=256 * MiB, pinned="auto"),
         cold=ColdConfig(path=os.path.expanduser("~/.cache/tiered_kv/cold"), capacity_bytes=2 * GiB,
                         backend="auto", fsync=True),
-        scheduler=SchedulerConfig(policy="lfu"))
+        scheduler=SchedulerConfig(policy="lru"))
     assert cfg.hot.capacity_blocks is None
     assert cfg.cold.path == os.path.join(os.path.expanduser("~"), ".cache", "tiered_kv", "cold")
 
@@ -49,7 +49,7 @@ def test_small_device_yaml_values():
         warm=WarmConfig(capacity_blocks=16, pinned="auto"),
         cold=ColdConfig(path=os.path.expanduser("~/.cache/tiered_kv/cold-small"), capacity_bytes=GiB,
                         backend="auto", fsync=True),
-        scheduler=SchedulerConfig(policy="lfu"))
+        scheduler=SchedulerConfig(policy="lru"))
     assert (cfg.hot.capacity_bytes, cfg.warm.capacity_bytes) == (None, None)
     assert cfg.hot.resolve_blocks(SMOLLM2_BLOCK_BYTES) == 8
     assert cfg.warm.resolve_blocks(SMOLLM2_BLOCK_BYTES) == 16
@@ -93,7 +93,7 @@ def test_empty_dict_gives_documented_defaults():
     assert (cfg.warm.capacity_bytes, cfg.warm.capacity_blocks, cfg.warm.pinned) == (2 * GiB, None, "auto")
     assert cfg.cold == ColdConfig(path=os.path.expanduser("~/.cache/tiered_kv/cold"),
                                   capacity_bytes=8 * GiB, backend="auto", fsync=True)
-    assert cfg.scheduler.policy == "lfu"
+    assert cfg.scheduler.policy == "lru"
     assert ALLOWED_POLICIES == ("lru", "lfu", "fifo", "turns")
 
 
@@ -105,7 +105,7 @@ def test_dict_input_with_partial_sections():
     assert cfg.hot == HotConfig(device="cuda:1", capacity_blocks=4)
     assert cfg.warm == WarmConfig(capacity_bytes=1610612736, pinned="false")
     assert (cfg.cold.capacity_bytes, cfg.cold.backend, cfg.cold.fsync) == (0, "auto", True)
-    assert cfg.scheduler == SchedulerConfig(policy="lfu")
+    assert cfg.scheduler == SchedulerConfig(policy="lru")
 
 
 @pytest.mark.parametrize("raw, pinned", [(True, "true"), (False, "false"), ("true", "true"),
@@ -159,7 +159,7 @@ def test_to_dict_exact():
                  "high_watermark": 0.95, "low_watermark": 0.85},
         "cold": {"path": "/tmp/kv", "capacity": 8 * GiB, "backend": "posix", "fsync": False, "write_behind_s": 1.0,
                  "admit": "published", "compression": "none", "high_watermark": 1.0, "low_watermark": 1.0},
-        "scheduler": {"policy": "lfu", "ali_window": 100, "ali_hot": 0.7, "ali_warm": 0.3, "bs_threshold": 0.8,
+        "scheduler": {"policy": "lru", "ali_window": 100, "ali_hot": 0.7, "ali_warm": 0.3, "bs_threshold": 0.8,
                       "cs_weight": 0.5, "default_cost_sensitivity": 0.5, "idle_steps": 1000,
                       "half_life_turns": 16.0, "lfu_half_life_turns": 16.0, "ali_promote": False, "restore": "always", "background": True,
                       "mover_interval_s": 0.02, "max_fragmentation": 0.5, "min_contiguity": 0.9},
