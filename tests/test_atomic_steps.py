@@ -68,7 +68,8 @@ def _failing_forward(prompt_tokens: int, phase: str) -> int:
 def test_interrupted_forward_leaves_the_bank_as_before_and_a_retry_matches(kind, phase, form, layer, tmp_path):
     rng = random.Random(f"{kind}/{phase}/{layer}")
     model = _deep_model()
-    bank = make_bank(form, model, tier_config(kind, tmp_path))
+    # the step's own atomicity: no background mover moving blocks between the snapshots
+    bank = make_bank(form, model, {**tier_config(kind, tmp_path), "scheduler": {"background": False}})
     prompt = rand_ids(rng.randrange(10_000), rng.randint(9, 14))
     bank.attach(prompt)
     out = greedy(model, prompt, bank, NEW_TOKENS)  # history, so the failing turn has blocks to disturb
