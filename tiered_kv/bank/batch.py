@@ -16,9 +16,10 @@ padded and no row's KV is copied next to another's:
   raises `RowFailure` naming the row, after every bank rolled back; `forward_rows()` takes the row
   out and runs the others again (failures stay in their row).
 
-Rows must be unpadded: pass `position_ids` (each row's own, `[B, q]`) and no attention mask (an
-all-ones one is accepted). Every row adds the same number of tokens (input ids are a rectangle):
-one each for decode.
+Rows must be unpadded: pass `position_ids` (each row's own: `batch.positions()`) and no attention
+mask (an all-ones one is accepted). The input is a rectangle `[B, q]` (every row adds q tokens:
+one each for decode) or, with `tokens_per_row`, the rows packed one after another in `[1, sum]`
+(a prompt's chunk beside decode tokens: what `forward_rows` builds from lists of ids).
 """
 
 from __future__ import annotations

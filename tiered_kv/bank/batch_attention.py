@@ -43,10 +43,13 @@ class RowsForAttention:
         self.batch = batch
         self.kv: list = [None] * len(batch.banks)
         self._joined = None  # every row paged: (plans, kernels, sources, args) of one launch; False: not all paged
+        self.spans = None  # per row (batch index, first, end) of its tokens: the same at every layer of the forward
 
     def fill(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         kv = self.kv
-        self.spans = spans = self.batch.spans(key_states.shape[2])
+        if self.spans is None:
+            self.spans = self.batch.spans(key_states.shape[2])
+        spans = self.spans
         for r, bank in enumerate(self.batch.banks):
             seam: dict = {}
             b, start, end = spans[r]

@@ -87,10 +87,7 @@ class Sequence:
             out = self.model(input_ids=torch.tensor([chunk], device=self.device),
                              attention_mask=torch.ones((1, total), dtype=torch.long, device=self.device),
                              position_ids=positions.unsqueeze(0), cache=self.bank, use_cache=True, logits_to_keep=1)
-        self.pending = self.pending[len(chunk):]
-        if self.pending:
-            return None
-        return self.picked(out.logits[0, -1])
+        return self.computed(len(chunk), out.logits[0, -1])
 
     def computed(self, num_tokens: int, logits: torch.Tensor) -> int | None:
         """`num_tokens` pending tokens are in the bank now (a batched step); `logits` are the last
