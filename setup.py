@@ -10,7 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["tiered_kv", "tiered_kv.*"]),
-    package_data={"tiered_kv": ["py.typed", "configs/*.yaml"]},
+    package_data={"tiered_kv": ["py.typed", "configs/*.yaml", "compression/texts/*.txt"]},
     # native CUDA sources, compiled at run time by cupy: tiered_kv.kernels.native_dir() finds them
     # here after a regular install (a checkout or editable install reads <repo>/native directly)
     data_files=[("share/tiered_kv/native", sorted(glob.glob("native/*.cu") + glob.glob("native/*.cuh")

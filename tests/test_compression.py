@@ -140,7 +140,7 @@ def cold_dir(tmp_path):
 def test_compressed_cold_records_are_durable_checked_and_never_read_as_another_mode(mode, cold_dir):
     stored = LAYOUT.stored(mode)
     tier = CompressedColdTier(stored, 8, cold_dir, backend="posix")
-    assert os.path.basename(tier.file_path).startswith("kv-v2-")
+    assert os.path.basename(tier.file_path).startswith("kv-v3-")
     assert tier.record_stride_bytes == fmt.record_stride_bytes(stored)
     data = blocks(2, seed=3)
     tier.write_blocks([3, 5], data)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..kernels import get_ops
-from . import packed_layer_bytes
+from . import MODES, layout_parts, mode_spec, packed_layer_bytes
 from .packing import FP8_MAX, INT4_LEVELS, INT8_MAX, decode_torch, encode, parts  # noqa: F401  (codec's names)
 
 _MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -73,6 +73,16 @@ def model_dtype(dtype_name: str) -> torch.dtype:
     return _MODEL_DTYPES[dtype_name]
 
 
+def scales_finite(layout, packed) -> bool:
+    """Whether every float16 scale and zero of packed slices (uint8, `[..., P]` of the compressed
+    `layout`, numpy or torch) is finite. A record whose checksum holds but whose scales are NaN or
+    infinite (a writer's bug, a foreign file) fails this check and is recomputed, never decoded."""
+    lay = layout_parts(layout.compression, layout.num_kv_heads, layout.block_size, layout.head_dim)
+    raw = packed.numpy() if isinstance(packed, torch.Tensor) else np.asarray(packed)
+    halves = np.ascontiguousarray(raw[..., lay.first_half:lay.size]).view(np.uint16)
+    return not bool(((halves & 0x7C00) == 0x7C00).any())  # exponent all ones: inf or NaN
+
+
 def pack_block_bytes(layout, block_bytes: np.ndarray) -> np.ndarray:
     """The model-dtype bytes of one block (uint8, `[L, 2, H, bs, D]` in C order) packed for the
     compressed `layout` (blocks.KVLayout with `compression` set): uint8 `layout.block_bytes`."""
@@ -90,27 +100,40 @@ def unpack_block_bytes(layout, packed: np.ndarray) -> np.ndarray:
     return block.contiguous().view(torch.uint8).reshape(-1).numpy()
 
 
+def _group_bound(t: torch.Tensor, dim: int, fmt: str) -> torch.Tensor:
+    """The largest error of each element of float32 `t` quantized in groups along `dim` in `fmt`."""
+    low, high = t.amin(dim=dim, keepdim=True), t.amax(dim=dim, keepdim=True)
+    if fmt in ("uint8", "int4"):
+        levels = 255.0 if fmt == "uint8" else INT4_LEVELS
+        bound = (high - low) / levels * 0.51 + 2 ** -10 * (low.abs() + high.abs()) + 1e-6
+    elif fmt == "int8":
+        bound = torch.maximum(-low, high) * (0.51 / INT8_MAX + 2 ** -10) + 1e-6
+    else:  # fp8 (symmetric) or fp8c (centred): 3 mantissa bits, plus the float16 rounding of scale and zero
+        zero = (low + high) / 2 if fmt == "fp8c" else torch.zeros_like(low)
+        residual = (t - zero).abs()
+        amax = residual.amax(dim=dim, keepdim=True)
+        return residual * (2 ** -4 + 2 ** -10) + amax / FP8_MAX * 2 ** -9 + amax * 2 ** -9 + zero.abs() * 2 ** -10 + 1e-6
+    return bound.expand_as(t)
+
+
 def error_bound(x: torch.Tensor, mode: str) -> torch.Tensor:
     """The largest absolute error `decode(encode(x))` may have at each element of `[..., 2, H, bs, D]`
-    (for tests and the quality report): half a step of its scale group, plus the float16 rounding of
-    the scale and zero; for fp8 a relative 2^-4 (3 mantissa bits) and half its smallest subnormal."""
+    (for tests and the quality report): half a step of its group's scale plus the float16 rounding
+    of the scale and zero; for fp8 a relative 2^-4 (3 mantissa bits) and half its smallest subnormal."""
     x = x.float()
-    keys, values = x[..., 0, :, :, :], x[..., 1, :, :, :]
-    if mode == "int4":
-        def bound(t, dim):
-            low, high = t.amin(dim=dim, keepdim=True), t.amax(dim=dim, keepdim=True)
-            return (high - low) / INT4_LEVELS * 0.51 + 2 ** -10 * (low.abs() + high.abs()) + 1e-6
-    elif mode == "int8":
-        def bound(t, dim):
-            return t.abs().amax(dim=dim, keepdim=True) * (0.51 / INT8_MAX + 2 ** -10) + 1e-6
-    elif mode == "fp8":
-        def bound(t, dim, centred=False):
-            zero = (t.amin(dim=dim, keepdim=True) + t.amax(dim=dim, keepdim=True)) / 2 if centred else 0
-            residual = (t - zero).abs()
-            amax = residual.amax(dim=dim, keepdim=True)
-            return residual * (2 ** -4 + 2 ** -10) + amax / FP8_MAX * 2 ** -9 + amax * 2 ** -9 + 1e-6
-        return torch.stack((bound(keys, -2, centred=True).expand_as(keys), bound(values, -1).expand_as(values)),
-                           dim=-4)
-    else:
+    if mode not in MODES[1:]:
         return torch.zeros_like(x)
-    return torch.stack((bound(keys, -2).expand_as(keys), bound(values, -1).expand_as(values)), dim=-4)
+    heads, bs, dim = x.shape[-3:]
+    spec = mode_spec(mode, dim, bs)
+    first = 1 if spec.row0 else 0
+    out = torch.empty_like(x)
+    if bs > first:
+        out[..., 0, :, first:, :] = _group_bound(x[..., 0, :, first:, :], -2, spec.key)
+        groups = dim // spec.value_group
+        values = x[..., 1, :, first:, :].unflatten(-1, (groups, spec.value_group))
+        out[..., 1, :, first:, :] = _group_bound(values, -1, spec.value).flatten(-2)
+    if spec.row0 == "fp8":
+        out[..., :, :, 0, :] = _group_bound(x[..., :, :, 0, :], -1, "fp8")
+    elif spec.row0 == "f16":
+        out[..., :, :, 0, :] = x[..., :, :, 0, :].abs() * 2 ** -11 + 2 ** -24
+    return out

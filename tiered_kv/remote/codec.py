@@ -66,5 +66,7 @@ def decode(layout: KVLayout, key: bytes, root: bytes, value) -> tuple[np.ndarray
         if fmt.checksum(data) != expected:
             return None, f"layer {layer} fails its checksum"
     if layout.is_compressed:
+        if not compression_codec.scales_finite(layout, layers):
+            return None, "NaN or infinite scales"
         return compression_codec.unpack_block_bytes(layout, raw[header_size:]), ""
     return raw[header_size:], ""

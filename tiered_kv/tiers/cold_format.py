@@ -43,13 +43,17 @@ import xxhash
 from ..blocks import KVLayout
 
 FORMAT_VERSION = 1  # records in the model's dtype (compression "none")
-COMPRESSED_FORMAT_VERSION = 2  # compressed records: the v1 header + the compression's name
+# compressed records: the v1 header + the compression's name, bytes in compression.CODEC_VERSION's layout.
+# Version 2 held issue 21's layout (codec version 2): its files are never opened now (another file name,
+# another header version), so its blocks are recomputed, never read as this layout.
+COMPRESSED_FORMAT_VERSION = 3
+RETIRED_FORMAT_VERSIONS = (2,)
 FORMAT_VERSIONS = (FORMAT_VERSION, COMPRESSED_FORMAT_VERSION)
 MAGIC = b"TKVCOLD\0"
 ALIGN_BYTES = 4096
 HEADER_ALIGN_BYTES = 512
 _PREFIX = struct.Struct("<8sIIIIII16sQQ16s16s")
-_COMPRESSION = struct.Struct("<8s")  # v2: follows the prefix; ASCII, NUL padded
+_COMPRESSION = struct.Struct("<8s")  # v3: follows the prefix; ASCII, NUL padded
 _U64 = struct.Struct("<Q")
 KEY_BYTES = 16
 
@@ -66,12 +70,12 @@ def checksum(data) -> int:
 
 
 def format_version(layout: KVLayout) -> int:
-    """1 for records in the model's dtype, 2 for compressed ones (compression/)."""
+    """1 for records in the model's dtype, 3 for compressed ones (compression/)."""
     return COMPRESSED_FORMAT_VERSION if layout.is_compressed else FORMAT_VERSION
 
 
 def layout_text(layout: KVLayout) -> str:
-    """`LxHxDxBSxdtype` (v1), `LxHxDxBSxdtypexcompression` (v2): what an index's meta names."""
+    """`LxHxDxBSxdtype` (v1), `LxHxDxBSxdtypexcompression` (v3): what an index's meta names."""
     text = f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}x{layout.block_size}x{layout.dtype_name}"
     return f"{text}x{layout.compression}" if layout.is_compressed else text
 
@@ -107,7 +111,7 @@ def index_file_name(layout: KVLayout, number: int = 0) -> str:
 
 
 # kv-v<1|2>-<16 hex>[-<number>].<blocks | index | index-wal | index-shm>
-FILE_NAME = re.compile(r"kv-(v[12]-[0-9a-f]{16})(?:-([1-9][0-9]{0,2}))?\.(blocks|index(?:-wal|-shm)?)")
+FILE_NAME = re.compile(r"kv-(v[13]-[0-9a-f]{16})(?:-([1-9][0-9]{0,2}))?\.(blocks|index(?:-wal|-shm)?)")
 MAX_FILES = 256  # block files per layout in one directory: processes writing it at once
 
 

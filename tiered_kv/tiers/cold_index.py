@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cold_format import FormatError
+from .cold_format import FormatError, index_meta, layout_from_text
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,7 @@ class ColdIndex:
                 db.execute(f"PRAGMA synchronous={self._synchronous}")
                 for statement in _SCHEMA:
                     db.execute(statement)
-                expected = {"format_version": "2" if self._layout_text.count("x") == 5 else "1",
-                            "layout": self._layout_text}
+                expected = index_meta(layout_from_text(self._layout_text))
                 found = dict(db.execute("SELECT name, value FROM meta").fetchall())
                 if not found:
                     db.executemany("INSERT INTO meta VALUES (?, ?)", expected.items())

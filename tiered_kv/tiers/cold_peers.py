@@ -210,8 +210,11 @@ class _Peer:
                 record_unlock(self.fd, slot, self.stride_bytes)
         if fmt.record_problem(layout, slot, data, key, root, checksums) is not None:
             return None
-        if layout.is_compressed:  # checked packed bytes; the store takes the model's dtype
-            return codec.unpack_block_bytes(layout, np.frombuffer(data, dtype=np.uint8)[:layout.block_bytes]).tobytes()
+        if layout.is_compressed:  # checked packed bytes (and finite scales); the store takes the model's dtype
+            packed = np.frombuffer(data, dtype=np.uint8)[:layout.block_bytes]
+            if not codec.scales_finite(layout, packed.reshape(layout.num_layers, -1)):
+                return None
+            return codec.unpack_block_bytes(layout, packed).tobytes()
         return data[:layout.block_bytes]
 
     def close(self) -> None:

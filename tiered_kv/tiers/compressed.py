@@ -234,6 +234,13 @@ class CompressedColdTier(ColdTier):
         self.codec = _Codec(layout)
         self.open_blocks = OpenBlocks(layout, self.codec.model_dtype)
 
+    def _check(self, slot: int, layer: int, data: np.ndarray) -> None:
+        """The checksum, then the scales: finite, or the record is corrupt (recomputed, never decoded)."""
+        super()._check(slot, layer, data)
+        if not codec.scales_finite(self.layout, data):
+            raise self._corrupt(slot, f"cold tier slot {slot} layer {layer} holds NaN or infinite scales "
+                                      f"in {self.file_path}")
+
     def packed_buffer(self, num_blocks: int) -> np.ndarray:
         return np.empty((num_blocks, self.layout.num_layers, self.layout.layer_bytes), dtype=np.uint8)
 
