@@ -37,6 +37,7 @@ class TierRun:
     tier: int
     index: object  # the tier's token_index
     positions: torch.Tensor | None  # positions within the request; None = all of them, in order
+    span: tuple[int, int] | None = None  # (first, end) when `positions` is that one consecutive range
 
 
 class TokenMapper:
@@ -77,7 +78,9 @@ class TokenMapper:
             picked = np.nonzero(token_tiers == tier)[0]
             if len(picked):
                 index = self.tiers[tier].token_index(slots[picked], offsets[picked])
-                runs.append(TierRun(tier, index, torch.from_numpy(picked).to(self.device)))
+                first, end = int(picked[0]), int(picked[-1]) + 1
+                span = (first, end) if end - first == len(picked) else None
+                runs.append(TierRun(tier, index, torch.from_numpy(picked).to(self.device), span))
         return runs
 
     def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:
@@ -87,8 +90,14 @@ class TokenMapper:
         out = torch.empty((2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim),
                           dtype=self.dtype, device=self.device)
         for run in runs:
+            if run.span is not None and run.tier != HOT:  # read (decoded) straight into its place: no temporary
+                self._read_tokens(run.tier, layer, run.index, out[:, :, run.span[0]:run.span[1]])
+                continue
             data = self._read_tokens(run.tier, layer, run.index)
-            out.index_copy_(2, run.positions, data.to(self.device, non_blocking=True))
+            if run.span is not None:
+                out[:, :, run.span[0]:run.span[1]].copy_(data, non_blocking=True)
+            else:
+                out.index_copy_(2, run.positions, data.to(self.device, non_blocking=True))
         return out
 
     def read_run(self, layer: int, run: TierRun) -> torch.Tensor:
@@ -96,12 +105,16 @@ class TokenMapper:
         data = self._read_tokens(run.tier, layer, run.index)
         return data if run.tier == HOT else data.to(self.device, non_blocking=True)
 
-    def _read_tokens(self, tier: int, layer: int, index) -> torch.Tensor:
+    def _read_tokens(self, tier: int, layer: int, index, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The tokens of `index` (`[2, H, n, D]`; a view for hot), or None once read into `out`."""
         start = None
         if tier != HOT:
             start = self.metrics.read_seconds.start()
         try:
-            data = self.tiers[tier].read_tokens(layer, index)
+            if out is None:
+                data = self.tiers[tier].read_tokens(layer, index)
+            else:
+                data = self.tiers[tier].read_tokens_into(layer, index, out)
         except CorruptBlockError as error:
             error.tier = tier  # with error.slot: the store finds the block and marks it
             raise
