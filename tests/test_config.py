@@ -167,6 +167,8 @@ def test_to_dict_exact():
         "remote": {"url": "", "cluster": False, "username": "", "password_env": "", "key_prefix": "tkv:", "ttl": 0,
                    "write": "through", "timeout_ms": 500, "required": False, "compression": "none"},
         "copies": {"engine": "auto", "delay_us": 0},
+        "compression": {"quality_floor": 0.99, "calibration_text": "mixed", "calibration_tokens": 512,
+                        "check_explicit": True},
     }
 
 

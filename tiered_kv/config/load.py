@@ -11,6 +11,7 @@ import yaml
 
 from ..errors import ConfigError
 from .checks import _error, parse_size
+from .compression import CompressionConfig
 from .placement import SchedulerConfig
 from .remote import RemoteConfig
 from .runtime import CopiesConfig, MetricsConfig
@@ -24,7 +25,8 @@ _SECTION_KEYS = {"hot": ("device", "capacity", "capacity_blocks", *_WATERMARK_KE
                  "scheduler": tuple(f.name for f in dataclasses.fields(SchedulerConfig)),
                  "metrics": tuple(f.name for f in dataclasses.fields(MetricsConfig)),
                  "remote": tuple(f.name for f in dataclasses.fields(RemoteConfig)),
-                 "copies": tuple(f.name for f in dataclasses.fields(CopiesConfig))}
+                 "copies": tuple(f.name for f in dataclasses.fields(CopiesConfig)),
+                 "compression": tuple(f.name for f in dataclasses.fields(CompressionConfig))}
 _AUTO_KEYS = tuple(f.name for f in dataclasses.fields(BlockSizeAutoConfig))
 _TOP_KEYS = ("block_size", *_SECTION_TYPES, BlockSizeAutoConfig.SECTION)
 
