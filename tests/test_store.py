@@ -533,7 +533,7 @@ def test_stats_report_every_tier(make_store):
     assert set(stats) == {"tiers", "hits", "misses", "bytes_moved", "link_saturation",  # today's keys, and
                           "hit_rate", "turn_blocks", "moves", "bytes_on_demand", "bytes_background",
                           "critical_path", "scheduler", "fragmentation", "contiguity", "contiguity_min", "durability",
-                          "block_size", "metrics", "remote", "copies", "restore"}
+                          "block_size", "metrics", "remote", "copies", "restore", "compression"}
     assert stats["block_size"] == {"tokens": store.config.block_size, "auto": False}
     plain = {"block_bytes": 512, "compression": "none"}  # as each tier stores a block
     assert stats["tiers"]["hot"] == {"used_blocks": 2, "capacity_blocks": 2, "used_bytes": 1024,

@@ -178,7 +178,7 @@ def run_chat(
     stop_ids = _stop_ids(model, tokenizer)
     max_positions = getattr(model.config, "max_position_embeddings", None)
 
-    bank = CacheBank(model, cfg, store=store)
+    bank = CacheBank(model, cfg, store=store, tokenizer=tokenizer)
     recorder = trace if isinstance(trace, TraceRecorder) else None
     if hooks_mode == "auto":
         hooks_mode = auto_hooks_mode(bank.store.device)

@@ -1,5 +1,7 @@
 """A bank's model bound to its store: the KV layout (heads, head_dim, dtype, device) every tier is
-built for, checked against what a layer hands over, and whether a conversation fits at all."""
+built for, checked against what a layer hands over, and whether a conversation fits at all. A bank
+built from a model binds at once (`bind_model`): `compression: auto` is resolved on that model first
+(compression/auto.py), since the tiers' layouts depend on it."""
 
 from __future__ import annotations
 
@@ -36,6 +38,24 @@ def bind_dtype(store, base: KVLayout, dtype: torch.dtype) -> None:
         store.bind(layout, dtype)
 
 
+def bind_model(store, base: KVLayout, model, fingerprint, tokenizer=None, owns_store: bool = False) -> None:
+    """Bind `store` to `model`'s KV layout, its compression settled on the model first (auto resolved,
+    explicit lossy modes checked) unless it is bound already. A store the bank made is closed when
+    that fails (ConfigError: auto without a tokenizer), so nothing of it is left behind."""
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
+    dtype_name = _DTYPE_NAMES.get(dtype)
+    if not store.is_bound and dtype_name is not None:
+        layout = KVLayout(base.num_layers, base.num_kv_heads, base.head_dim, base.block_size, dtype_name)
+        root_hex = fingerprint.root_key(dtype_name).hex() if fingerprint.is_shareable else None
+        try:
+            store.compression.prepare(model, tokenizer, root_hex, layout)
+        except BaseException:
+            if owns_store:
+                store.close()
+            raise
+    bind_dtype(store, base, dtype)
+
+
 def check_fits(store, layer_groups, num_rows: int, num_tokens: int, num_tokens_before: int | None = None) -> None:
     """CapacityError when `num_rows` sequences of `num_tokens` cannot fit in all tiers at once.
     A sliding group holds its window once a step ended; during a step, its window before the
@@ -53,4 +73,4 @@ def check_fits(store, layer_groups, num_rows: int, num_tokens: int, num_tokens_b
             "Raise a tier's capacity or shorten the conversation")
 
 
-__all__ = ["bind_kv", "bind_dtype", "check_fits"]
+__all__ = ["bind_kv", "bind_dtype", "bind_model", "check_fits"]

@@ -53,7 +53,7 @@ def _check_cost_sensitivity(value) -> None:
 
 class CacheBank(Cache):
     def __init__(self, model, config: Config | dict | str | None = None, *, store: TierStore | None = None,
-                 model_id: str | None = None, cost_sensitivity: float | None = None):
+                 model_id: str | None = None, cost_sensitivity: float | None = None, tokenizer=None):
         if store is not None and config is not None and load_config(config) != store.config:
             raise ValueError("CacheBank: `config` differs from the shared store's config; pass one or make them equal")
         is_model = isinstance(model, torch.nn.Module)
@@ -86,8 +86,8 @@ class CacheBank(Cache):
         self.seq = Sequence(self.layer_groups, self.config.block_size)
         self.turn = Turn()
         self.steps = StepMachine(self)
-        if is_model:  # bind now, so attach() finds stored blocks before the first forward pass
-            self.bind_dtype(getattr(model, "dtype", None) or next(model.parameters()).dtype)
+        if is_model:  # bind now (compression: auto measured with `tokenizer` first), so attach() finds blocks at once
+            binding.bind_model(self.store, self.layout_no_dtype, model, self.fingerprint, tokenizer, self._owns_store)
 
     @property
     def model(self):

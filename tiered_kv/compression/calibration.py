@@ -97,7 +97,7 @@ def _logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
     with torch.no_grad():
         for start in range(0, ids.shape[1], CHUNK_TOKENS):
             piece = ids[:, start:start + CHUNK_TOKENS]
-            out.append(model(input_ids=piece, past_key_values=cache, use_cache=True).logits[0].float())
+            out.append(model(input_ids=piece, cache=cache, use_cache=True).logits[0].float())
     return torch.cat(out)
 
 

@@ -12,7 +12,8 @@ from typing import Any
 from ..compression import MODES
 from ..errors import ConfigError
 
-ALLOWED_COMPRESSION = MODES  # warm/cold/remote.compression (compression/)
+COMPRESSION_AUTO = "auto"  # the smallest mode that meets compression.quality_floor on the model (compression/auto.py)
+ALLOWED_COMPRESSION = (*MODES, COMPRESSION_AUTO)  # warm/cold/remote.compression (compression/)
 MAX_BLOCK_SIZE_TOKENS = 1024
 _BLOCK_SIZE_ALLOWED = f"a power of two from 1 to {MAX_BLOCK_SIZE_TOKENS} (tokens)"
 
@@ -30,8 +31,9 @@ def _error(key: str, value: Any, allowed: str) -> ConfigError:
 def _check_compression(section: str, value: Any) -> None:
     if not isinstance(value, str) or value not in ALLOWED_COMPRESSION:
         raise _error(f"{section}.compression", value,
-                     _choices(ALLOWED_COMPRESSION) + " ('none' keeps the model's dtype, bitwise exact; the others "
-                     "store a block in fewer bytes, with scales: see tiered-kv quality)")
+                     _choices(ALLOWED_COMPRESSION) + " ('none' keeps the model's dtype, bitwise exact; fp8, int8 "
+                     "and int4 store a block in fewer bytes, with scales: see tiered-kv quality; 'auto' takes the "
+                     "smallest that meets compression.quality_floor on the model)")
 
 
 def _is_int(value: Any) -> bool:

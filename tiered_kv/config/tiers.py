@@ -137,7 +137,8 @@ class WarmConfig(_TierConfig):
         if self.compression != "none" and self.layout == "paged":
             raise ConfigError(f"config keys 'warm.layout' and 'warm.compression': got 'paged' with "
                               f"{self.compression!r}; allowed: 'records' or 'auto' with a compressed warm tier "
-                              "(attention reads a paged slab in place, which compressed blocks cannot be)")
+                              "('auto' compression included: it may pick one) (attention reads a paged slab in "
+                              "place, which compressed blocks cannot be)")
 
 
 @dataclass(frozen=True, kw_only=True)

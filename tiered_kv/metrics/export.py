@@ -2,7 +2,8 @@
 
 At each scrape a collector reads every live store (or the ones given): the counters and
 histograms of its Metrics (registry.py), summed over stores, and gauges read from the store
-at that moment (blocks and bytes used and reserved per tier, link saturation). Every name
+at that moment (blocks and bytes used and reserved per tier, link saturation, the calibrated
+agreement of each compression mode). Every name
 starts with `tiered_kv_` and carries its unit; counters end in `_total`.
 """
 
@@ -101,6 +102,10 @@ def _gauges(stores: list):
                                    "Host-device link load, 0..1 (NVML PCIe throughput, or bytes moved on CPU)")
     num_stores = GaugeMetricFamily(PREFIX + "stores", "TierStores alive in this process")
     num_chats = GaugeMetricFamily(PREFIX + "chats", "Chats the stores' schedulers track")
+    agreement = GaugeMetricFamily(PREFIX + "compression_agreement_ratio", "Next-token agreement of a compression "
+                                  "mode with the uncompressed cache, measured on the store's model (compression/"
+                                  "auto.py; the lowest of the stores)", labels=["mode"])
+    lowest: dict[str, float] = {}
     totals = {name: [0, 0, 0, 0] for name in TIER_NAMES}
     link, chats = 0.0, 0
     for store in stores:
@@ -116,6 +121,8 @@ def _gauges(stores: list):
                 row[3] += pool.num_slots * block_bytes
         link = max(link, float(store.link_monitor.saturation()))
         chats += len(store.access_log.chats)
+        for mode, value in store.compression.measured.items():
+            lowest[mode] = min(value, lowest.get(mode, value))
     for name, (ub, cb, uB, cB) in totals.items():
         used_blocks.add_metric([name], ub)
         capacity_blocks.add_metric([name], cb)
@@ -124,7 +131,9 @@ def _gauges(stores: list):
     saturation.add_metric([], link)
     num_stores.add_metric([], len(stores))
     num_chats.add_metric([], chats)
-    yield from (used_blocks, capacity_blocks, used_bytes, capacity_bytes, saturation, num_stores, num_chats)
+    for mode, value in sorted(lowest.items()):
+        agreement.add_metric([mode], value)
+    yield from (used_blocks, capacity_blocks, used_bytes, capacity_bytes, saturation, num_stores, num_chats, agreement)
 
 
 def _registry(stores) -> CollectorRegistry:

@@ -55,7 +55,7 @@ class Sequence:
         if temperature > 0.0:
             self.generator = torch.Generator(device=self.device)
             self.generator.manual_seed(seed if seed is not None else secrets.randbits(63))
-        self.bank = CacheBank(model, store=store)
+        self.bank = CacheBank(model, store=store, tokenizer=tokenizer)
         self.cached_tokens = 0
         self.completion_ids: list[int] = []
         self.pending: list[int] = []  # tokens whose KV the bank does not hold yet; the last one picks the next

@@ -1,5 +1,5 @@
 """Building a store: what it opens at start (`start`: the copy engine, the cold directory, the
-remote tier), then for one KV layout its tiers: the slabs, the cold file, the slot pools, the
+remote tier, what the tiers' compression is: compression/auto.py), then for one KV layout its tiers: the slabs, the cold file, the slot pools, the
 staging sets of the transfers (one for on-demand batches, one for the background mover's) and
 the watermarks in blocks. A failure partway leaves `made` holding what was built (the store
 closes it); nothing here keeps state.
@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..blocks import COLD, HOT, TIER_NAMES, WARM, KVLayout
+from ..compression.auto import CompressionChoice
 from ..errors import ColdPathInUseError
 from ..hw.block_copy import BlockCopier, device_staging
 from ..hw.copy_engine import make_copy_engine
@@ -52,7 +53,8 @@ def capacities_of(config, layout: KVLayout, has_cold: bool) -> list[int]:
 
 def start(config, device, metrics):
     """(link monitor, copy engine, cold directory or None, why the store may not write it or None,
-    remote tier or None); a failure closes what it opened. A wrong password (or, when required, a
+    remote tier or None, the CompressionChoice: its record lives in the cold directory); a failure
+    closes what it opened. A wrong password (or, when required, a
     server down) fails the start, as does an unusable cold directory: at start, not at the first spill."""
     link_monitor = make_link_monitor(device)
     engine = directory = unavailable = None
@@ -66,7 +68,7 @@ def start(config, device, metrics):
             if opened is not None:
                 opened.close()
         raise
-    return link_monitor, engine, directory, unavailable, remote
+    return link_monitor, engine, directory, unavailable, remote, CompressionChoice(config, directory)
 
 
 def open_cold(path: str) -> tuple[ColdDirectory, str | None]:

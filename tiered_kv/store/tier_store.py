@@ -94,9 +94,9 @@ class TierStore:
         self.durability: Durability | None = None
         self.peers = None  # other processes' cold files on this cold.path (tiers/cold_peers.py), once bound
         register_store(self)
-        try:  # (cold_unavailable: why this store runs without a cold tier of its own)
-            self.link_monitor, self.copy_engine, self._cold_directory, self.cold_unavailable, self.remote = \
-                building.start(self.config, self.device, self.metrics)
+        try:  # (cold_unavailable: why this store runs without a cold tier of its own; compression: auto.py's)
+            (self.link_monitor, self.copy_engine, self._cold_directory, self.cold_unavailable, self.remote,
+             self.compression) = building.start(self.config, self.device, self.metrics)
         except BaseException:
             self.life.closed = True  # (start closed what it opened)
             raise
@@ -151,7 +151,7 @@ class TierStore:
 
     # ---- binding ---------------------------------------------------------------------------------
     def bind(self, layout: KVLayout, dtype: torch.dtype) -> None:
-        """Preallocate every tier for `layout`. A store serves one KV layout for its lifetime."""
+        """Preallocate every tier for `layout` (one for the store's life; `compression: auto` resolved first)."""
         with self.lock:
             self.check_open()
             if self.life.bound:
@@ -160,8 +160,9 @@ class TierStore:
                         f"this TierStore serves KV layout {self.layout} ({self.dtype}); got {layout} ({dtype}). "
                         "Use one store per model shape and dtype")
                 return
+            config = self.compression.bound_config(layout)  # (a ConfigError here leaves the store as it was)
             try:
-                self._bind(layout, dtype)
+                self._bind(layout, dtype, config)
             except BaseException:
                 self.life.closed = True  # a failed start removes what it made (files, threads) and this store
                 self._closing.release(self.transfers, self.peers, failed_start=True)
@@ -169,18 +170,18 @@ class TierStore:
         if self.mover is not None:
             self.mover.start()
         if self.remote is not None:
-            self.remote.bind(layout.stored(self.config.remote.compression), self.remote_io.read_block_bytes)
+            self.remote.bind(layout.stored(config.remote.compression), self.remote_io.read_block_bytes)
 
-    def _bind(self, layout: KVLayout, dtype: torch.dtype) -> None:
+    def _bind(self, layout: KVLayout, dtype: torch.dtype, config: Config) -> None:  # config: auto resolved
         made = self.state.tiers  # what building made, closed by Closing.release if it fails partway
-        tiers, pools, unavailable = building.build_tiers(self.config, layout, dtype, self.device, self.pinned,
+        tiers, pools, unavailable = building.build_tiers(config, layout, dtype, self.device, self.pinned,
                                                          self._cold_directory, made, self.cold_unavailable is None)
         self.cold_unavailable = self.cold_unavailable or unavailable
-        self.peers = building.peers_of(self._cold_directory, layout.stored(self.config.cold.compression), tiers[COLD])
+        self.peers = building.peers_of(self._cold_directory, layout.stored(config.cold.compression), tiers[COLD])
         staging = building.build_staging(layout, dtype, self.device, self.pinned, [p.num_slots for p in pools])
         self.state.copies = bind_cold(self.state.index, tiers[COLD], pools[COLD], self.metrics, self.config.cold.admit)
         self.state.bind(tiers, pools)
-        stored = building.stored_layouts(self.config, layout)
+        stored = building.stored_layouts(config, layout)
         self.transfers = Transfers(self.state, self.copy_engine, self.metrics, self.link_monitor,
                                    [s.block_bytes for s in stored], staging, self.rates)
         self.demand = DemandMoves(self.lock, self.state, self.transfers, layout.block_bytes)
@@ -317,7 +318,7 @@ class TierStore:
 
     # ---- reporting (reporting.py) ----------------------------------------------------------------------
     def stats(self) -> dict:
-        return self.reporting.stats()
+        return {**self.reporting.stats(), "compression": self.compression.report()}
 
     def check_consistency(self) -> list[str]:
         """[] when the index, pools, pins and transfers agree (what tests check after every fault)."""

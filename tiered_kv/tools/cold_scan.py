@@ -28,6 +28,7 @@ import numpy as np
 from ..blocks import KVLayout
 from ..errors import LayoutError
 from ..tiers import cold_format as fmt
+from ..compression.record import RECORD_NAME
 from ..tiers.cold_files import LOCK_NAME
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def scan(path: str, verify: bool = False, locked: bool = False) -> ColdScan:
         names = sorted(os.listdir(dir_fd))
         for name in names:
             match = _OURS.fullmatch(name)
-            if name == LOCK_NAME or (match and match.group(3).startswith("index-")):
+            if name in (LOCK_NAME, RECORD_NAME) or (match and match.group(3).startswith("index-")):
                 continue
             if not match:
                 ignored.append((name, "another format version" if re.match(r"kv-v\d+-", name) else "not ours"))

@@ -99,7 +99,7 @@ def diagnose(model, tokenizer, cfg: Config | dict | str | None = None, *,
     layout = layout_from_model_config(model.config, cfg.block_size, str(dtype).removeprefix("torch."))
     is_cuda = device.type == "cuda"
     device_allocated_before = torch.cuda.memory_allocated(device) if is_cuda else None
-    bank = CacheBank(model, cfg)
+    bank = CacheBank(model, cfg, tokenizer=tokenizer)  # (compression: auto measures the model with it)
     try:
         hooks.install(model, bank, mode="exact")
         try:
@@ -190,6 +190,7 @@ def _measure(model, bank: CacheBank, ids: list[int], new_tokens: int, device_all
                          saturation_end, dict(stats["bytes_moved"])),
         layout=LayoutFigures(float(stats["fragmentation"]), float(stats["contiguity"])),
         settings=_settings(cfg),
+        compression=stats["compression"],
     )
 
 

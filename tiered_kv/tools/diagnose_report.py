@@ -158,6 +158,7 @@ class Report:
     settings: dict  # the config values the flags compare with ("scheduler.bs_threshold": 0.8, ...)
     thresholds: dict = field(default_factory=dict)  # the flags' own thresholds (diagnose_flags.Thresholds)
     flags: list[Flag] = field(default_factory=list)
+    compression: dict = field(default_factory=dict)  # stats()["compression"] (compression/auto.py)
 
     def totals(self) -> dict:
         m, kv = self.model, self.kv
@@ -186,6 +187,22 @@ def _mib(num_bytes: int | None) -> str:
 
 def _bytes(num_bytes: int | None) -> str:
     return "-" if num_bytes is None else f"{num_bytes:,}"
+
+
+def compression_text(c: dict) -> str:
+    """One line: each tier's mode (and what was asked when it differs), the floor, what was measured."""
+    modes, asked = c.get("mode"), c.get("requested")
+    if not isinstance(modes, dict):
+        modes = {key: modes for key in (asked if isinstance(asked, dict) else ("warm", "cold", "remote"))}
+    if not isinstance(asked, dict):
+        asked = {key: asked for key in modes}
+    tiers = ", ".join(f"{key} {mode}" + (f" (asked {asked[key]})" if asked.get(key) != mode else "")
+                      for key, mode in modes.items())
+    measured = ", ".join(f"{mode} {100 * value:.2f}%" + (f" (ppl x{c['ppl_ratio'][mode]:.4f})"
+                                                         if c.get("ppl_ratio", {}).get(mode) else "")
+                         for mode, value in c.get("measured", {}).items()) or "nothing"
+    return (f"compression: {tiers}; quality_floor {100 * c.get('quality_floor', 0):.2f}% next-token agreement; "
+            f"measured {measured} (source {c.get('source')}, {c.get('calibration_s', 0.0):.2f} s)")
 
 
 def memory_rows(report: Report) -> list[tuple[str, int | None, str]]:
@@ -260,6 +277,7 @@ def report_text(report: Report) -> str:
         f"hot layout: fragmentation {layout.fragmentation:.2f} (scheduler.max_fragmentation "
         f"{report.settings['scheduler.max_fragmentation']}), this prompt's contiguity {layout.contiguity:.2f} "
         f"(scheduler.min_contiguity {report.settings['scheduler.min_contiguity']})",
+        *([compression_text(report.compression)] if report.compression else []),
         "",
     ]
     if not report.flags:
