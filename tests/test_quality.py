@@ -3,6 +3,7 @@ against the uncompressed cache over a real text. `none` is the control: it must 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -53,9 +54,11 @@ def test_cli_prints_json_per_mode_and_refuses_bad_input(tmp_path, capsys, smollm
     text.write_text(quality.default_text()[:6000], encoding="utf-8")
     assert cli.main(["quality", "--text", str(text), "--compression", "none,fp8", "--tokens", "192",
                      "--continuation-tokens", "4", "--json", "--no-progress"]) == 0
-    reports = json.loads(capsys.readouterr().out)
-    assert [r["compression"] for r in reports] == ["none", "fp8"]
+    reports = json.loads(capsys.readouterr().out)  # the given text, then always the shipped calibration text
+    assert [(r["text"], r["compression"]) for r in reports] == [("text.txt", "none"), ("text.txt", "fp8"),
+                                                                ("mixed", "none"), ("mixed", "fp8")]
     assert reports[0]["argmax_agreement"] == 1.0 and reports[1]["compressed_block_bytes"] < reports[1]["block_bytes"]
+    assert reports[2]["argmax_agreement"] == 1.0 and reports[3]["compressed_share"] >= 0.5  # the control, then fp8
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe\x00 not utf-8")
     assert cli.main(["quality", "--text", str(bad), "--no-progress"]) == 2
@@ -64,3 +67,14 @@ def test_cli_prints_json_per_mode_and_refuses_bad_input(tmp_path, capsys, smollm
         cli.main(["quality", "--compression", "zstd"])
     assert exit_info.value.code == 2
     assert "give one or more of none, fp8, int8, int4" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["quality", "--calibration-text", "poems"])
+    assert exit_info.value.code == 2 and "invalid choice: 'poems'" in capsys.readouterr().err
+
+
+def test_the_report_has_a_text_column():
+    report = quality.QualityReport("int8", "warm", 320, 255, 0.8, 0.99, 10.0, 10.1, 1.01, 0.001, 0.9, 100, 30,
+                                   "mixed")
+    lines = quality.format_report([report, dataclasses.replace(report, text="notes.txt")]).splitlines()
+    assert lines[0].startswith("text       compression") and lines[1].startswith("mixed      int8")
+    assert lines[2].startswith("notes.txt  int8") and "255 scored tokens of 320 (mixed)" in lines[3]

@@ -34,17 +34,20 @@ def _quality(args: argparse.Namespace) -> int:
     from .tools import quality
     from .models import ModelNotFoundError, load_model
 
-    try:
-        text = quality.default_text() if args.text is None else _read_text(args.text)
+    try:  # the given texts (else pydoc's pages), and always the text compression: auto is calibrated on
+        texts = [(Path(path).name, _read_text(path)) for path in args.text] if args.text else \
+            [("python-docs", quality.default_text())]
+        texts.append((args.calibration_text, quality.shipped_text(args.calibration_text)))
         model, tokenizer = load_model(args.model, progress=not (args.no_progress or args.quiet))
-    except (ModelNotFoundError, OSError, ValueError) as exc:
+    except (ModelNotFoundError, OSError, ValueError) as exc:  # (ConfigError is a ValueError)
         return _fail(exc, EXIT_USAGE)
     reports = []
     try:
-        for mode in args.compression:
-            reports.append(quality.measure(model, tokenizer, text, compression=mode, tier=args.tier,
-                                           num_tokens=args.tokens, chunk_tokens=args.chunk_tokens,
-                                           continuation_tokens=args.continuation_tokens))
+        for name, text in texts:
+            for mode in args.compression:
+                reports.append(quality.measure(model, tokenizer, text, compression=mode, tier=args.tier,
+                                               num_tokens=args.tokens, chunk_tokens=args.chunk_tokens,
+                                               continuation_tokens=args.continuation_tokens, text_name=name))
     except ValueError as exc:  # a text too short for two chunks (LayoutError, a ValueError too: int4 and odd heads)
         return _fail(exc, EXIT_USAGE)
     print(json.dumps([r.to_dict() for r in reports], indent=2) if args.json else quality.format_report(reports))

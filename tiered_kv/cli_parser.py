@@ -145,6 +145,8 @@ def _compression_list(text: str) -> list[str]:
 
 
 def _add_quality_command(commands) -> None:
+    from .compression import MODES
+    from .config.compression import shipped_texts
     from .tools.quality import DEFAULT_CHUNK_TOKENS, DEFAULT_CONTINUATION_TOKENS, DEFAULT_TOKENS
 
     quality = commands.add_parser(
@@ -157,11 +159,15 @@ def _add_quality_command(commands) -> None:
                     "token, how far the two greedy continuations after the text stay equal, and bytes per block.")
     quality.add_argument("--model", default=None, metavar="PATH",
                          help="a local Hugging Face model folder or .gguf file (default: the bundled SmolLM2)")
-    quality.add_argument("--text", default=None, metavar="FILE",
-                         help="a UTF-8 text file (default: the Python language reference pages every Python ships, "
-                              "pydoc_data.topics)")
-    quality.add_argument("--compression", type=_compression_list, default=["int8"], metavar="MODES",
-                         help="fp8, int8, int4 (or none, the control), comma-separated, or all (default: int8)")
+    quality.add_argument("--text", action="append", default=None, metavar="FILE",
+                         help="a UTF-8 text file; may be given several times (default: the Python language reference "
+                              "pages every Python ships, pydoc_data.topics)")
+    quality.add_argument("--calibration-text", default="mixed", choices=shipped_texts(), metavar="NAME",
+                         help="the shipped text `compression: auto` is calibrated on, always reported beside the "
+                              f"others: {', '.join(shipped_texts())} (default: %(default)s)")
+    quality.add_argument("--compression", type=_compression_list, default=list(MODES[1:]), metavar="MODES",
+                         help="fp8, int8, int4 (or none, the control), comma-separated, or all (default: every "
+                              "lossy mode)")
     quality.add_argument("--tier", choices=("warm", "cold"), default="warm",
                          help="where the compressed history lies (default: %(default)s)")
     quality.add_argument("--tokens", type=_positive_int, default=DEFAULT_TOKENS, metavar="N",

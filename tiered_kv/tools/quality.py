@@ -13,7 +13,9 @@ tier (`warm`, or `cold` with no warm). Over every token after the first chunk it
   positions before the first difference (1.0: the same continuation).
 
 It also reports the share of the history's blocks that were in the compressed tier at the end, so a
-figure is never read as "compressed" when the history stayed hot. (It was compression/quality.py,
+figure is never read as "compressed" when the history stayed hot, and which text it read (`tiered-kv
+quality` reads the given texts and always the calibration text `compression: auto` is measured on:
+`shipped_text`). (It was compression/quality.py,
 which still re-exports it: a tool that runs a CacheBank, not part of the codecs.)
 """
 
@@ -52,6 +54,7 @@ class QualityReport:
     greedy_agreement: float
     block_bytes: int
     compressed_block_bytes: int
+    text: str = ""  # its name: a file's, or a shipped text's (`shipped_text`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,6 +68,14 @@ def default_text() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
+def shipped_text(name: str) -> str:
+    """A calibration text shipped in the package (compression.calibration_text; ConfigError naming
+    the key for a name the package does not ship)."""
+    from ..config import CompressionConfig
+
+    return CompressionConfig(calibration_text=name).text_path().read_text(encoding="utf-8")
+
+
 def _config(compression: str, tier: str, block_size: int, hot_blocks: int, lower_blocks: int, cold_dir: str,
             device: str) -> dict:
     lower = {"capacity_blocks": lower_blocks, "compression": compression}
@@ -73,7 +84,7 @@ def _config(compression: str, tier: str, block_size: int, hot_blocks: int, lower
             "warm": lower if tier == "warm" else {"capacity_blocks": 0},
             "cold": {**lower, "path": cold_dir, "write_behind_s": 0} if tier == "cold" else
                     {"capacity_blocks": 0, "path": cold_dir},
-            "scheduler": {"background": False}}
+            "scheduler": {"background": False}, "compression": {"check_explicit": False}}  # (measured here)
 
 
 def _chunked_logits(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
@@ -94,7 +105,8 @@ def _greedy(model, ids: torch.Tensor, cache, new_tokens: int) -> torch.Tensor:
 
 def measure(model, tokenizer, text: str, compression: str = "int8", tier: str = "warm",
             num_tokens: int = DEFAULT_TOKENS, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-            continuation_tokens: int = DEFAULT_CONTINUATION_TOKENS, block_size: int = 16) -> QualityReport:
+            continuation_tokens: int = DEFAULT_CONTINUATION_TOKENS, block_size: int = 16,
+            text_name: str = "") -> QualityReport:
     """Run both passes (see the module docstring); ValueError for a text of fewer than 2 chunks."""
     if tier not in ("warm", "cold"):
         raise ValueError(f"tier {tier!r}: allowed 'warm' or 'cold'")
@@ -136,15 +148,19 @@ def measure(model, tokenizer, text: str, compression: str = "int8", tier: str = 
     same = (greedy_ref == greedy_out).tolist() + [False]
     return QualityReport(compression, tier, int(ids.shape[1]), int(target.shape[0]), compressed_share, agreement,
                          math.exp(nll_ref), math.exp(nll_out), math.exp(nll_out - nll_ref), kl,
-                         same.index(False) / continuation_tokens, block_bytes, stored_bytes)
+                         same.index(False) / continuation_tokens, block_bytes, stored_bytes, text_name)
 
 
 def format_report(reports: list[QualityReport]) -> str:
-    lines = ["compression  tier  in tier  argmax agree  ppl ref -> bank (ratio)   KL nats   greedy  B/block",
-             *(f"{r.compression:<11}  {r.tier:<4}  {r.compressed_share:>7.0%}  {r.argmax_agreement:>12.2%}  "
-               f"{r.perplexity_reference:>7.3f} -> {r.perplexity:.3f} ({r.perplexity_ratio:.4f})  {r.kl_nats:>8.5f}  "
-               f"{r.greedy_agreement:>6.0%}  {r.compressed_block_bytes:,} of {r.block_bytes:,}" for r in reports)]
+    width = max([4, *(len(r.text) for r in reports)])
+    lines = [f"{'text':<{width}}  compression  tier  in tier  argmax agree  ppl ref -> bank (ratio)   KL nats   "
+             "greedy  B/block",
+             *(f"{r.text:<{width}}  {r.compression:<11}  {r.tier:<4}  {r.compressed_share:>7.0%}  "
+               f"{r.argmax_agreement:>12.2%}  {r.perplexity_reference:>7.3f} -> {r.perplexity:.3f} "
+               f"({r.perplexity_ratio:.4f})  {r.kl_nats:>8.5f}  {r.greedy_agreement:>6.0%}  "
+               f"{r.compressed_block_bytes:,} of {r.block_bytes:,}" for r in reports)]
+    scored = {r.text: f"{r.scored_tokens} scored tokens of {r.tokens} ({r.text or 'the text'})" for r in reports}
     if reports:
-        lines.append(f"over {reports[0].scored_tokens} scored tokens of {reports[0].tokens}; 'in tier': share of "
-                     "the history's blocks in the compressed tier at the end")
+        lines.append(f"over {', '.join(scored.values())}; 'in tier': share of the history's blocks in the "
+                     "compressed tier at the end")
     return "\n".join(lines)
