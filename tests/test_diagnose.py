@@ -89,17 +89,21 @@ def test_kv_figures_match_the_layout_arithmetic(kind, model, tmp_path):
 
 
 def test_compressed_tiers_report_their_own_bytes_per_block(model, tmp_path):
-    """Issue 21: warm int8 and cold int4 store a block in the bytes worked out here (codes, and
-    float16 scales: per channel for keys, per token for values; int4 also zeros), report them per
-    tier, and reserve capacity x those bytes; hot keeps the model's."""
+    """Issues 21 and 36: warm int8 and cold int4 store a block in the bytes worked out here (codes, and
+    float16 scales and zeros), report them per tier, and reserve capacity x those bytes; hot keeps the model's."""
     cfg = tier_config("forces_cold", tmp_path / "cold")
     cfg["warm"].update(compression="int8", layout="records")
     cfg["cold"]["compression"] = "int4"
     report = diagnose(model, None, cfg, prompt_tokens=PROMPT_TOKENS, new_tokens=NEW_TOKENS)
     c = model.config
     heads, dim, layers = c.num_key_value_heads, c.hidden_size // c.num_attention_heads, c.num_hidden_layers
-    int8 = layers * (2 * heads * BLOCK_SIZE * dim + 2 * heads * (dim + BLOCK_SIZE))
-    int4 = layers * (heads * BLOCK_SIZE * dim + 2 * 2 * heads * (dim + BLOCK_SIZE))
+    # codec version 3: int8 = codes, key scale and zero per channel, value scale per token; int4 = token 0
+    # apart (e4m3 codes, a scale per K/V and head), the other rows' codes at 4 bits, key scale and zero
+    # per channel, value scale and zero per token and group of 32 channels (here the whole head_dim)
+    int8 = layers * (2 * heads * BLOCK_SIZE * dim + 2 * 2 * heads * dim + 2 * heads * BLOCK_SIZE)
+    rows, groups = BLOCK_SIZE - 1, (dim // 32 if dim % 32 == 0 else 1)
+    codes4 = heads * rows * dim + 2 * heads * dim
+    int4 = layers * (codes4 + codes4 % 2 + 2 * (2 * heads * dim + 2 * heads * rows * groups + 2 * heads))
     tiers = report.kv.tiers
     assert (tiers["hot"].block_bytes, tiers["hot"].compression) == (block_bytes_by_hand(model), "none")
     assert (tiers["warm"].block_bytes, tiers["warm"].compression) == (int8, "int8")

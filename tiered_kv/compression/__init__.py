@@ -42,6 +42,7 @@ from dataclasses import dataclass
 MODES = ("none", "fp8", "int8", "int4")
 AUTO = "auto"  # a tier config value: the mode calibration picks (calibration.py)
 CODEC_VERSION = 3  # the packed layout below (2: issue 21's, per-token values, no token-0 rows)
+CALIBRATION_METHOD = "kl1"  # how calibration.py derives a mode's agreement: part of a recorded entry's key
 INT4_VALUE_GROUP = 32  # int4 values are quantized in groups of this many head_dim channels (when D allows)
 
 

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from ..tiers.cold_owned import FILE_MODE, not_ours_alone
+from . import CALIBRATION_METHOD
 
 RECORD_NAME = "compression.json"
 RECORD_FORMAT = 1
@@ -36,7 +37,8 @@ _OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 def entry_key(root_hex: str, text: str, tokens: int, block_size: int, codec_version: int) -> str:
     """The key of one model's entry: everything its figures depend on (the fingerprint's root names
     the weights, config, block size and KV dtype; the text and token count what was read)."""
-    return f"{root_hex}|text={text}|tokens={tokens}|block_size={block_size}|codec=v{codec_version}"
+    return (f"{root_hex}|text={text}|tokens={tokens}|block_size={block_size}|codec=v{codec_version}"
+            f"|method={CALIBRATION_METHOD}")
 
 
 def _is_share(value: Any) -> bool:
