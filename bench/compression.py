@@ -143,7 +143,8 @@ def decode_config(args, mode: str, cold_dir: str) -> dict:
     return {"block_size": args.block_size,
             "hot": {"device": "cpu", "capacity_blocks": args.hot_blocks, "high_watermark": 1.0, "low_watermark": 1.0},
             "warm": {"capacity_blocks": blocks, "compression": mode, "high_watermark": 1.0, "low_watermark": 1.0},
-            "cold": {"capacity_blocks": 0, "path": cold_dir}, "scheduler": {"background": False}}
+            "cold": {"capacity_blocks": 0, "path": cold_dir}, "scheduler": {"background": False},
+            "compression": {"check_explicit": False}}
 
 
 def section_decode(model, tokenizer, args, workdir: str) -> dict:
@@ -209,7 +210,7 @@ def restore_config(args, mode: str, directory: str, blocks: int, hot_blocks: int
             "hot": {"device": "cpu", "capacity_blocks": hot_blocks},
             "warm": {"capacity_blocks": 2, "compression": mode},
             "cold": {"capacity_blocks": blocks, "path": directory, "compression": mode, "write_behind_s": 0},
-            "scheduler": {"background": False}}
+            "scheduler": {"background": False}, "compression": {"check_explicit": False}}
 
 
 def section_restore(model, tokenizer, args, workdir: str) -> dict:

@@ -59,7 +59,8 @@ def _config(mode: str, block_size: int, hot_blocks: int, warm_blocks: int, cold_
     return {"block_size": block_size,
             "hot": {"device": "cpu", "capacity_blocks": hot_blocks, "high_watermark": 1.0, "low_watermark": 1.0},
             "warm": {"capacity_blocks": warm_blocks, "compression": mode},
-            "cold": {"capacity_blocks": 0, "path": cold_dir}, "scheduler": {"background": False}}
+            "cold": {"capacity_blocks": 0, "path": cold_dir}, "scheduler": {"background": False},
+            "compression": {"check_explicit": False}}  # this bench measures the modes itself
 
 
 def _chunked_logits(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
@@ -84,7 +85,7 @@ def scores(reference: torch.Tensor, got: torch.Tensor, target: torch.Tensor, fir
 def run_bank(model, prefix: torch.Tensor, mode: str, block_size: int) -> tuple[torch.Tensor, dict]:
     chunk = DEFAULT_CHUNK_TOKENS
     hot_blocks = num_blocks_for(chunk, block_size) + HOT_SPARE_BLOCKS
-    lower_blocks = num_blocks_for(prefix.shape[1], block_size) + 4
+    lower_blocks = 3 * num_blocks_for(prefix.shape[1], block_size) + 8  # a hybrid model: blocks per layer group
     with tempfile.TemporaryDirectory(prefix="tiered_kv-bench-quality-") as cold_dir:
         bank = CacheBank(model, _config(mode, block_size, hot_blocks, lower_blocks, cold_dir))
         try:

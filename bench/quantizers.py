@@ -71,6 +71,12 @@ def _round(x: torch.Tensor, fmt: str) -> torch.Tensor:
         scale = _f16((high - zero) / levels)
         inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
         return ((x - zero) * inv).round().clamp(0, levels) * scale + zero
+    if fmt == "e4m3m":  # centred on the group's mean
+        zero = _f16(x.mean(-1, keepdim=True))
+        amax = (x - zero).abs().amax(-1, keepdim=True)
+        scale = _f16(amax / 448.0)
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        return ((x - zero) * inv).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale + zero
     if fmt in ("e4m3", "e5m2", "e4m3c", "e5m2c"):  # c: centred on the group's midpoint first
         centred = fmt.endswith("c")
         dtype, top = (torch.float8_e4m3fn, 448.0) if fmt.startswith("e4m3") else (torch.float8_e5m2, 57344.0)
@@ -195,6 +201,7 @@ CANDIDATES = {c.name: c for c in [
     Candidate("int8-ka-r0", "int8a", "int8", first_row_fmt="int8"),
     Candidate("int8-ka-r0f", "int8a", "int8", first_row_fmt="e4m3"),
     Candidate("fp8-r0h", "e4m3c", "e4m3", first_row_fmt="f16"),
+    Candidate("fp8-r0h-mean", "e4m3m", "e4m3", first_row_fmt="f16"),
     # keys quantized before the rotary embedding (Llama layouts: the cache rotates them back and again)
     Candidate("int4-r0f-v32-prerope", "int4", "int4", v_group=32, first_row_fmt="e4m3"),
     Candidate("int8-ka-prerope", "int8a", "int8"),
