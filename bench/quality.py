@@ -35,7 +35,7 @@ import quality_models  # noqa: E402
 import quality_texts  # noqa: E402
 
 from tiered_kv.bank import CacheBank  # noqa: E402
-from tiered_kv.blocks import num_blocks_for  # noqa: E402
+from tiered_kv.blocks import model_layer_groups, num_blocks_for  # noqa: E402
 from tiered_kv.compression import MODES  # noqa: E402
 
 DEFAULT_CHUNK_TOKENS = 64
@@ -51,8 +51,11 @@ def parse_args(argv=None):
     p.add_argument("--modes", default=",".join(MODES[1:]))
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--floors", default="0.99,0.97", help="quality floors `compression: auto` is timed at")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.floors = [float(f) for f in args.floors.split(",") if f]
+    return args
 
 
 def _config(mode: str, block_size: int, hot_blocks: int, warm_blocks: int, cold_dir: str) -> dict:
@@ -84,7 +87,9 @@ def scores(reference: torch.Tensor, got: torch.Tensor, target: torch.Tensor, fir
 
 def run_bank(model, prefix: torch.Tensor, mode: str, block_size: int) -> tuple[torch.Tensor, dict]:
     chunk = DEFAULT_CHUNK_TOKENS
-    hot_blocks = num_blocks_for(chunk, block_size) + HOT_SPARE_BLOCKS
+    # per layer group (a hybrid model keeps a full and a sliding group's blocks): hot holds the chunk and 2
+    # more blocks in each, so no position reads its own chunk compressed
+    hot_blocks = (num_blocks_for(chunk, block_size) + HOT_SPARE_BLOCKS) * len(model_layer_groups(model.config))
     lower_blocks = 3 * num_blocks_for(prefix.shape[1], block_size) + 8  # a hybrid model: blocks per layer group
     with tempfile.TemporaryDirectory(prefix="tiered_kv-bench-quality-") as cold_dir:
         bank = CacheBank(model, _config(mode, block_size, hot_blocks, lower_blocks, cold_dir))
@@ -100,13 +105,37 @@ def run_bank(model, prefix: torch.Tensor, mode: str, block_size: int) -> tuple[t
     return got, info
 
 
+def calibrate(model, tokenizer, floor: float, block_size: int) -> dict:
+    """`compression: auto` on a fresh cold path: the seconds the bank's construction spends measuring
+    (the reference pass and each mode tried), the mode it chose and the figures it chose by."""
+    from tiered_kv.compression import auto
+
+    auto.forget_measurements()
+    with tempfile.TemporaryDirectory(prefix="tiered_kv-bench-auto-") as cold_dir:
+        config = {"block_size": block_size, "hot": {"device": "cpu", "capacity_blocks": 8},
+                  "warm": {"capacity_blocks": 64, "compression": "auto"}, "cold": {"capacity_blocks": 0, "path": cold_dir},
+                  "compression": {"quality_floor": floor}, "scheduler": {"background": False}}
+        started = time.perf_counter()
+        bank = CacheBank(model, config, tokenizer=tokenizer)
+        seconds = time.perf_counter() - started
+        report = bank.stats()["compression"]
+        bank.close()
+    mode = report["mode"] if isinstance(report["mode"], str) else report["mode"]["warm"]
+    return {"floor": floor, "chosen": mode, "seconds": seconds, "calibration_s": report.get("calibration_s"),
+            "expected_agreement": report.get("measured"), "ppl_ratio": report.get("ppl_ratio")}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     started = time.perf_counter()
-    rows = []
+    rows, calibrations = [], {}
     for model_name in args.models.split(","):
         model, tokenizer = quality_models.load(model_name)
+        calibrations[model_name] = [calibrate(model, tokenizer, floor, args.block_size) for floor in args.floors]
+        for c in calibrations[model_name]:
+            print(f"{model_name:<12} auto at floor {c['floor']}: {c['chosen']} in {c['seconds']:.1f} s "
+                  f"(expected agreement {c['expected_agreement']})", flush=True)
         for text_name in args.texts.split(","):
             ids = tokenizer(quality_texts.load(text_name), return_tensors="pt").input_ids[:, :args.tokens + 1]
             prefix, target = ids[:, :-1], ids[0, 1:]
@@ -139,8 +168,16 @@ def main(argv=None) -> dict:
               f"ppl x{high['perplexity_ratio']:.4f} ({worst[mode]['worst_perplexity_at']})  "
               f"targets met: agreement {worst[mode]['agreement_target_met']}, "
               f"perplexity {worst[mode]['perplexity_target_met']}")
+    for model_name, runs in calibrations.items():  # does auto's choice meet its floor on every text?
+        for c in runs:
+            mine = [r["argmax_agreement"] for r in rows if r["model"] == model_name and r["mode"] == c["chosen"]]
+            c["worst_agreement_of_choice"] = min(mine) if mine else (1.0 if c["chosen"] == "none" else None)
+            c["meets_floor_on_every_text"] = c["worst_agreement_of_choice"] is not None and \
+                c["worst_agreement_of_choice"] >= c["floor"]
+            print(f"auto {model_name} floor {c['floor']}: {c['chosen']}, worst over the texts "
+                  f"{c['worst_agreement_of_choice']}, meets the floor: {c['meets_floor_on_every_text']}")
     out = {"args": vars(args), "machine": platform.platform(), "torch": torch.__version__,
-           "seconds": time.perf_counter() - started, "rows": rows, "worst": worst}
+           "seconds": time.perf_counter() - started, "calibration": calibrations, "rows": rows, "worst": worst}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return out
