@@ -137,11 +137,17 @@ extern "C" __global__ void merge_states_bf16(TKV_MERGE_PARAMS(tkv_bf16));
 #define TKV_DEQUANT_FP8 0
 #define TKV_DEQUANT_INT8 1
 #define TKV_DEQUANT_INT4 2
+#define TKV_ROW0_NONE 0
+#define TKV_ROW0_FP8 1
+#define TKV_ROW0_F16 2
+// codec version 3: part offsets in bytes within a packed layer slice (compression.layout_parts;
+// -1: the part is absent), value_group channels per value scale, row0 how token 0 is stored.
 #define TKV_DEQUANT_PARAMS(T)                                                                  \
     T* dst, long long dst_slot, long long dst_layer, long long dst_kv, long long dst_head,     \
     long long dst_tok, int num_dst_slots, const unsigned char* src, long long src_block,       \
     long long src_layer, const int* slots, int num_kv_heads, int block_size, int head_dim,     \
-    int mode
+    int mode, int value_group, int row0, int off_v, int off_r0, int off_k_scale,               \
+    int off_k_zero, int off_v_scale, int off_v_zero, int off_r0_scale
 
 extern "C" __global__ void dequant_blocks_f32(TKV_DEQUANT_PARAMS(float));
 extern "C" __global__ void dequant_blocks_f16(TKV_DEQUANT_PARAMS(tkv_half));

@@ -985,6 +985,24 @@ def test_emulated_dequant_blocks_matches_the_torch_codec_bit_for_bit(emulated, m
     assert [name for name, _ in emulated] == [f"dequant_blocks_{cuda._DTYPE_SUFFIX[dtype]}"] * 2
 
 
+@needs_host_build
+@pytest.mark.parametrize("mode", DEQUANT_MODES)
+@pytest.mark.parametrize("block_size,head_dim", [(1, 8), (16, 64), (4, 34)], ids=["bs1", "bs16-d64", "bs4-d34"])
+def test_emulated_dequant_follows_every_part_of_codec_version_3(emulated, mode, block_size, head_dim):
+    """Token 0 apart (fp8, int4; none with one token a block), int4 values in groups of 32 channels
+    (D 64) or whole (D 34), bit for bit the torch codec."""
+    from tiered_kv.compression import codec
+
+    blocks = torch.randn(2, 1, 2, 2, block_size, head_dim, generator=torch.Generator().manual_seed(5)) * 3
+    blocks[..., 0, :, :, 1] += 20
+    packed = codec.encode(blocks, mode)
+    got = torch.zeros(2, 1, 2, 2, block_size, head_dim)
+    want = torch.zeros_like(got)
+    cuda.dequant_blocks(got, packed, None, mode)
+    reference.dequant_blocks(want, packed, None, mode)
+    assert torch.equal(got, want)
+
+
 def test_reference_dequant_is_the_codec_and_within_the_modes_bound():
     from tiered_kv.compression import codec
 
@@ -1004,7 +1022,8 @@ def test_cuda_dequant_launch_matches_the_header(recorded_launches):
     assert call[:4] == ("dequant_blocks.cu", "dequant_blocks_bf16", (2, 3, 4), (128, 1, 1))
     _assert_args_match(call[4], "TKV_DEQUANT_PARAMS")
     assert [int(a) for a in call[4][1:6]] == list(view.stride()[:5]) and int(call[4][6]) == 5
-    assert int(call[4][-1]) == contracts.DEQUANT_MODES["int4"] == 2
+    assert int(call[4][-10]) == contracts.DEQUANT_MODES["int4"] == 2
+    assert [int(a) for a in call[4][-9:]] == list(contracts.dequant_layout_args("int4", 2, 4, 8))
 
 
 DEQUANT_BAD = {

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from ..compression import packed_layer_bytes
+from ..compression import layout_parts, mode_spec, packed_layer_bytes
 from ..errors import LayoutError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -214,6 +214,20 @@ def check_block_copy(op: str, dst, src, slots, *, require_cuda: bool = False) ->
 
 
 DEQUANT_MODES = {"fp8": 0, "int8": 1, "int4": 2}  # TKV_DEQUANT_* in native/tiered_kv_ops.h
+ROW0_KINDS = {None: 0, "fp8": 1, "f16": 2}  # TKV_ROW0_* in native/tiered_kv_ops.h
+
+
+def dequant_layout_args(mode: str, heads: int, block_size: int, head_dim: int) -> tuple[int, ...]:
+    """The codec-version-3 layout a dequant launch passes after `mode`: value_group, row0, and the byte
+    offsets of V codes, token-0 data, K scales, K zeros, V scales, V zeros, token-0 scales (-1: absent)."""
+    spec = mode_spec(mode, head_dim, block_size)
+    parts = layout_parts(mode, heads, block_size, head_dim)
+
+    def at(name: str) -> int:
+        return parts[name][0] if name in parts else -1
+
+    return (spec.value_group, ROW0_KINDS[spec.row0], at("v"), at("r0"), at("k_scale"), at("k_zero"), at("v_scale"),
+            at("v_zero"), at("r0_scale"))
 
 
 def check_dequant(dst, src, slots, mode: str, *, require_cuda: bool = False) -> torch.device:

@@ -307,7 +307,7 @@ def dequant_blocks(dst: torch.Tensor, src: torch.Tensor, slots, mode: str) -> No
     args = (
         _ptr(dst), *map(_i64, dst.stride()[:5]), _i32(dst.shape[0]), _ptr(src), _i64(src.stride(0)),
         _i64(src.stride(1)), _ptr(slots), _i32(heads), _i32(block_size), _i32(head_dim),
-        _i32(contracts.DEQUANT_MODES[mode]),
+        _i32(contracts.DEQUANT_MODES[mode]), *map(_i32, contracts.dequant_layout_args(mode, heads, block_size, head_dim)),
     )
     _launch("dequant_blocks.cu", f"dequant_blocks_{_DTYPE_SUFFIX[dst.dtype]}", (count, layers, 2 * heads),
             (DEQUANT_THREADS, 1, 1), args, device)
