@@ -213,6 +213,7 @@ def test_offloaded_history_comes_back_for_the_next_turn(tier, tmp_path):
     config = tier_config("all_hot", tmp_path)
     config["warm"]["capacity_blocks"] = 64
     config["cold"]["capacity_blocks"] = 64
+    config["cold"]["write_behind_s"] = 0  # only the offload moves blocks (a slow run would copy one down behind it)
     bank = tiered_kv.CacheBank(model, config)
     ids = _ids(30, 25)
     bank.attach(ids)
