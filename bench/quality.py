@@ -89,8 +89,9 @@ def run_bank(model, prefix: torch.Tensor, mode: str, block_size: int) -> tuple[t
     chunk = DEFAULT_CHUNK_TOKENS
     # per layer group (a hybrid model keeps a full and a sliding group's blocks): hot holds the chunk and 2
     # more blocks in each, so no position reads its own chunk compressed
-    hot_blocks = (num_blocks_for(chunk, block_size) + HOT_SPARE_BLOCKS) * len(model_layer_groups(model.config))
-    lower_blocks = 3 * num_blocks_for(prefix.shape[1], block_size) + 8  # a hybrid model: blocks per layer group
+    num_groups = len(model_layer_groups(model.config))  # Gemma 3 270M: 6 (5 sliding groups of 3 layers, 1 full)
+    hot_blocks = (num_blocks_for(chunk, block_size) + HOT_SPARE_BLOCKS) * num_groups
+    lower_blocks = num_groups * num_blocks_for(prefix.shape[1], block_size) + 8  # every group's blocks, at most
     with tempfile.TemporaryDirectory(prefix="tiered_kv-bench-quality-") as cold_dir:
         bank = CacheBank(model, _config(mode, block_size, hot_blocks, lower_blocks, cold_dir))
         try:

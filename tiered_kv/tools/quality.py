@@ -118,10 +118,12 @@ def measure(model, tokenizer, text: str, compression: str = "int8", tier: str = 
         raise ValueError(f"the text has {ids.shape[1]} tokens; at least {2 * chunk_tokens} (two chunks of "
                          f"{chunk_tokens}) are needed")
     prefix, scored = ids[:, :-1], ids[0, 1:]
-    # per layer group (a hybrid model keeps a full and a sliding group's blocks): hot holds the chunk and
-    # HOT_SPARE_BLOCKS more in each, so no position reads its own chunk compressed
-    hot_blocks = (num_blocks_for(chunk_tokens, block_size) + HOT_SPARE_BLOCKS) * len(model_layer_groups(model.config))
-    lower_blocks = num_blocks_for(ids.shape[1] + continuation_tokens, block_size) + 4
+    # per layer group (a hybrid model's sliding and full groups each hold their own blocks: Gemma 3 270M
+    # has 6 groups): hot holds the chunk and HOT_SPARE_BLOCKS more in each, so no position reads its own
+    # chunk compressed, and the lower tier every group's history
+    num_groups = len(model_layer_groups(model.config))
+    hot_blocks = (num_blocks_for(chunk_tokens, block_size) + HOT_SPARE_BLOCKS) * num_groups
+    lower_blocks = num_groups * num_blocks_for(ids.shape[1] + continuation_tokens, block_size) + 4
     reference = _chunked_logits(model, prefix, DynamicCache(config=model.config), chunk_tokens)
     with tempfile.TemporaryDirectory(prefix="tiered_kv-quality-") as cold_dir:
         config = _config(compression, tier, block_size, hot_blocks, lower_blocks, cold_dir, device)
