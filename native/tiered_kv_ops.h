@@ -55,8 +55,18 @@
 //     src uint8 [n, L, P] with P stride 1 (byte strides of a block and a layer free; the device's
 //     memory or pinned host memory through UVA), P = the mode's packed slice bytes for (H, bs, D);
 //     every scale is 2-byte aligned (src, its strides even). dst [N, L, 2, H, bs, D] of the
-//     element type, strides in elements, D stride 1. mode 0 fp8 (e4m3; a scale, keys also a
-//     zero), 1 int8 (a scale), 2 int4 (a scale and a zero; D even). A slot outside [0, N) is skipped.
+//     element type, strides in elements, D stride 1. mode 0 fp8 (keys e4m3 centred per channel,
+//     values e4m3 per token, token 0 float16), 1 int8 (keys uint8 with a zero per channel, values
+//     int8 per token), 2 int4 (keys per channel, values per token and value_group channels, both
+//     with a zero; token 0 e4m3 with a scale; D even): codec version 3, every part's byte offset
+//     passed by the host (compression.layout_parts). A slot outside [0, N) is skipped.
+//
+//   quant_blocks: the inverse, the model's dtype packed: dst[i] = encode(src[slot]) for i < n,
+//     slot = slots[i] (slots null: i), bit for bit compression/packing.py's encode on the CPU
+//     (a group of zeros aside: its scale is +0 here, -0 or +0 there). src [N, L, 2, H, bs, D] of
+//     the element type on the device (a hot slab's slot-major view), strides in elements, D
+//     stride 1; dst uint8 [n, L, P], P stride 1, even address and strides (the device's memory or
+//     pinned host memory through UVA). A slot outside [0, N) is skipped (dst[i] left as it is).
 //
 //   merge_states: two partial attentions over disjoint key sets, each (out [B, H, D] with D
 //     stride 1, lse float32 [B, H] contiguous), merged by their log-sum-exp:
@@ -152,6 +162,22 @@ extern "C" __global__ void merge_states_bf16(TKV_MERGE_PARAMS(tkv_bf16));
 extern "C" __global__ void dequant_blocks_f32(TKV_DEQUANT_PARAMS(float));
 extern "C" __global__ void dequant_blocks_f16(TKV_DEQUANT_PARAMS(tkv_half));
 extern "C" __global__ void dequant_blocks_bf16(TKV_DEQUANT_PARAMS(tkv_bf16));
+
+// quant_blocks.cu: one thread block per (list entry, layer, K/V x head): grid (n, L, 2 * H),
+// TKV_QUANT_THREADS threads (a multiple of 32: values are quantized a warp per group). mode and
+// the layout arguments as dequant_blocks' (TKV_DEQUANT_*, TKV_ROW0_*); off_pad the byte before
+// the float16s when the codes end at an odd offset (written 0), else -1.
+#define TKV_QUANT_THREADS 128
+#define TKV_QUANT_PARAMS(T)                                                                    \
+    unsigned char* dst, long long dst_block, long long dst_layer, const T* src, long long src_slot, \
+    long long src_layer, long long src_kv, long long src_head, long long src_tok,              \
+    int num_src_slots, const int* slots, int num_kv_heads, int block_size, int head_dim,       \
+    int mode, int value_group, int row0, int off_v, int off_r0, int off_k_scale,               \
+    int off_k_zero, int off_v_scale, int off_v_zero, int off_r0_scale, int off_pad
+
+extern "C" __global__ void quant_blocks_f32(TKV_QUANT_PARAMS(float));
+extern "C" __global__ void quant_blocks_f16(TKV_QUANT_PARAMS(tkv_half));
+extern "C" __global__ void quant_blocks_bf16(TKV_QUANT_PARAMS(tkv_bf16));
 
 // gather_blocks.cu / scatter_blocks.cu: one thread block per (list entry, head): grid (n, H).
 #define TKV_COPY_PARAMS                                                                        \

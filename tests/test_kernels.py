@@ -23,7 +23,7 @@ from tiered_kv.errors import LayoutError
 import kernel_emulation as emulation
 from tiered_kv.kernels import backend, contracts, cuda, reference
 from tiered_kv.kernels.cases import TIERS, build_decode_case, make_sources
-from tiered_kv.kernels.selfcheck import max_abs_error, selfcheck
+from tiered_kv.kernels.selfcheck import max_abs_error, packed_mismatches, selfcheck
 from tiered_kv.kernels.sources import HEADER_NAME, KERNEL_FILES, native_dir, read_source
 
 NATIVE = native_dir()
@@ -661,8 +661,10 @@ def test_selfcheck_on_cpu_reports_every_op():
     assert set(report["gather_blocks"]) == {f"float32/bs8/{t}" for t in TIERS}
     assert set(report["merge_states"]) == {"float32"}
     assert set(report["dequant_blocks"]) == {f"float32/bs8/{m}" for m in ("fp8", "int8", "int4")}
+    assert set(report["quant_blocks"]) == {f"float32/bs8/{m}" for m in ("fp8", "int8", "int4")}
     if report["backend"] == "torch":
         assert all(error == 0.0 for error in report["dequant_blocks"].values())
+        assert all(mismatches == 0 for mismatches in report["quant_blocks"].values())
         assert report["paged_decode"]["float32/bs8/hot+warm"] == {"out": 0.0, "lse": 0.0}
 
 
@@ -801,8 +803,8 @@ def test_gpu_ops_backend_and_selfcheck():
     for key, errors in report["paged_decode"].items():
         tol = OUT_TOL[getattr(torch, key.split("/")[0])]
         assert errors["out"] <= tol and errors["lse"] <= 1e-4, (key, errors)
-    for op in ("gather_blocks", "scatter_blocks", "dequant_blocks"):
-        assert all(error == 0.0 for error in report[op].values()), report[op]
+    for op in ("gather_blocks", "scatter_blocks", "dequant_blocks", "quant_blocks"):
+        assert all(error == 0 for error in report[op].values()), report[op]
     for name, errors in report["merge_states"].items():
         assert errors["out"] <= OUT_TOL[getattr(torch, name)] and errors["lse"] <= 1e-5, (name, errors)
 
@@ -1068,3 +1070,178 @@ def test_gpu_dequant_blocks_match_the_reference_from_device_and_pinned_memory(mo
         torch.cuda.synchronize()
         got = slab.cpu()
         assert torch.equal(got.nan_to_num(), want_slab.nan_to_num()) and torch.equal(got.isnan(), want_slab.isnan())
+
+
+# ---------------------------------------------------------------- quant_blocks (into compressed lower tiers)
+
+QUANT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _quant_source(dtype, count: int = 5, layers: int = 2, heads: int = 2, block_size: int = 8, head_dim: int = 16,
+                  seed: int = 0) -> torch.Tensor:
+    """Blocks `[count, L, 2, H, bs, D]` of `dtype` (finite, no -0) covering the encode's edges: block 0 an
+    outlier key channel, head 1 constant groups (its key channels over the tokens, its value rows), a
+    value row whose magnitudes run from +-448 down to e4m3 subnormals and below (halves, ties); block 1
+    tiny (float16 scales subnormal or 0), block 2 small, block 3 huge (scales and zeros past float16's
+    range: clamped to 65504; within float16's own range for float16 blocks), block 4 zeros (the first
+    `count` of them, then random blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(count, 5), layers, 2, heads, block_size, head_dim, generator=gen) * 3
+    x[0, :, 0, 0, :, 1] += 20
+    x[0, :, 0, 1] = x[0, :, 0, 1, :1]  # constant key channels (head 1)
+    x[0, :, 1, 1] = x[0, :, 1, 1, :, :1]  # constant value rows (head 1)
+    edge = torch.tensor([448.0, -448.0, 447.0, 440.0, -432.0, 464.0] + [(-1) ** k * 2.0 ** (-k / 2) for k in range(60)])
+    x[0, :, 1, 0, -1] = edge[:head_dim]
+    x[1] *= 1e-6
+    x[2] *= 1e-3
+    x[3] *= 1e5
+    x[4] = 0
+    if dtype == torch.float16:
+        x = x.clamp(-65000, 65000)
+    return x[:count].to(dtype)
+
+
+def _packed_like(mode: str, count: int, layers: int, heads: int, block_size: int, head_dim: int, fill: int = 0xAB):
+    from tiered_kv.compression import packed_layer_bytes
+
+    return torch.full((count, layers, packed_layer_bytes(heads, block_size, head_dim, mode)), fill, dtype=torch.uint8)
+
+
+@needs_host_build
+@pytest.mark.parametrize("head_dim", [8, 64, 34])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("mode", DEQUANT_MODES)
+def test_emulated_quant_blocks_is_packing_encode_bit_for_bit(emulated, mode, dtype, block_size, head_dim):
+    """Every byte packing.encode writes, the pad byte included (dst starts as 0xAB), a zero scale's sign
+    aside (selfcheck.packed_mismatches); token 0 apart, int4 values in groups of 32 (D 64) or whole (8, 34)."""
+    from tiered_kv.compression import packing
+
+    x = _quant_source(dtype, layers=2, heads=2, block_size=block_size, head_dim=head_dim)
+    got = _packed_like(mode, 5, 2, 2, block_size, head_dim)
+    cuda.quant_blocks(got, x, None, mode)
+    want = packing.encode(x, mode)
+    assert packed_mismatches(got, want, mode, 2, block_size, head_dim) == 0
+    assert [name for name, _ in emulated] == [f"quant_blocks_{cuda._DTYPE_SUFFIX[dtype]}"]
+
+
+def test_packed_mismatches_ignore_only_the_sign_of_a_zero_scale():
+    from tiered_kv.compression import layout_parts, packing
+
+    x = torch.zeros(2, 1, 2, 2, 4, 8)
+    x[0] = torch.randn(1, 2, 2, 4, 8)
+    packed = packing.encode(x, "fp8")
+    parts = layout_parts("fp8", 2, 4, 8)
+    flipped = packed.clone()
+    flipped[1, 0, parts["v_scale"][0] + 1] ^= 0x80  # block 1's first value scale (zero): -0
+    assert packed_mismatches(flipped, packed, "fp8", 2, 4, 8) == 0
+    flipped[0, 0, parts["v_scale"][0] + 1] ^= 0x80  # block 0's (not zero): a real difference
+    flipped[1, 0, parts["k"][0]] ^= 0x80  # a code -0 vs +0: a real difference too
+    assert packed_mismatches(flipped, packed, "fp8", 2, 4, 8) == 2
+
+
+@needs_host_build
+@pytest.mark.parametrize("mode", DEQUANT_MODES)
+def test_emulated_quant_blocks_reads_hot_slots_through_a_slot_list(emulated, mode):
+    """Out of a hot slab's slot-major view (NaN in the slots not listed), into strided packed rows; a slot
+    out of range is skipped (its row untouched), and nothing past P is written."""
+    from tiered_kv.compression import packing
+
+    blocks = _quant_source(torch.bfloat16, count=2, layers=3, heads=2, block_size=8, head_dim=16, seed=2)
+    slab, view = _hot_slot_view(6, 3, 2, 8, 16, torch.bfloat16)
+    view[4], view[0] = blocks[0], blocks[1]
+    packed_bytes = _packed_like(mode, 1, 3, 2, 8, 16).shape[-1]
+    buffer = torch.full((3, 3, packed_bytes + 6), 0xAB, dtype=torch.uint8)
+    dst = buffer[..., :packed_bytes]
+    cuda.quant_blocks(dst, view, torch.tensor([4, 0, 9], dtype=torch.int32), mode)
+    assert packed_mismatches(dst[:2], packing.encode(blocks, mode), mode, 2, 8, 16) == 0
+    assert bool((buffer[2] == 0xAB).all()) and bool((buffer[..., packed_bytes:] == 0xAB).all())
+
+
+def test_cuda_quant_launch_matches_the_header(recorded_launches):
+    _, view = _hot_slot_view(5, 3, 2, 4, 8, torch.float16)
+    dst = _packed_like("int4", 2, 3, 2, 4, 8)
+    cuda.quant_blocks(dst, view, torch.tensor([3, 1], dtype=torch.int32), "int4")
+    (call,) = recorded_launches
+    assert call[:4] == ("quant_blocks.cu", "quant_blocks_f16", (2, 3, 4), (128, 1, 1))
+    _assert_args_match(call[4], "TKV_QUANT_PARAMS")
+    assert [int(a) for a in call[4][1:3]] == list(dst.stride()[:2])
+    assert [int(a) for a in call[4][4:9]] == list(view.stride()[:5]) and int(call[4][9]) == 5
+    assert [int(a) for a in call[4][11:14]] == [2, 4, 8] and int(call[4][14]) == contracts.DEQUANT_MODES["int4"]
+    assert [int(a) for a in call[4][15:]] == list(contracts.quant_layout_args("int4", 2, 4, 8))
+
+
+def test_quant_layout_args_name_the_pad_byte():
+    """The pad byte (codes ending at an odd offset) is passed to the kernel, which writes it 0; codec
+    version 3 never has one (K and V codes take as many bytes, token-0 codes 2 H D), so it is -1."""
+    from tiered_kv.compression import layout_parts
+
+    for mode in DEQUANT_MODES:
+        for heads, block_size, head_dim in ((1, 1, 2), (1, 3, 6), (3, 2, 34), (2, 8, 16), (5, 16, 64)):
+            parts = layout_parts(mode, heads, block_size, head_dim)
+            args = contracts.quant_layout_args(mode, heads, block_size, head_dim)
+            codes_end = max(end for _, end in parts.values() if end <= parts.first_half)
+            assert args[-1] == (codes_end if codes_end % 2 else -1) == -1
+            assert args[:-1] == contracts.dequant_layout_args(mode, heads, block_size, head_dim)
+
+
+QUANT_BAD = {
+    "mode": (lambda d, s, sl: (d, s, sl, "none"), r"`mode` must be one of"),
+    "src rank": (lambda d, s, sl: (d, s[0], sl, "int8"), r"`src` must be float32"),
+    "src dtype": (lambda d, s, sl: (d, s.double(), sl, "int8"), r"`src` must be float32"),
+    "src D stride": (lambda d, s, sl: (d, s.transpose(-1, -2), sl, "int8"), r"`src` must be float32"),
+    "dst bytes": (lambda d, s, sl: (d[..., 1:], s, sl, "int8"), r"`dst` must be uint8 \[n, 2, "),
+    "dst dtype": (lambda d, s, sl: (d.to(torch.int16), s, sl, "int8"), r"`dst` must be uint8"),
+    "dst odd": (lambda d, s, sl: (torch.zeros(d.numel() + 1, dtype=torch.uint8)[1:].view(d.shape), s, sl, "int8"),
+                r"`dst` must be .*even address"),
+    "slots dtype": (lambda d, s, sl: (d, s, sl.long(), "int8"), r"`slots` must be int32"),
+    "slots length": (lambda d, s, sl: (d, s, sl[:1], "int8"), r"`slots` must be int32 \[2\]"),
+    "too few blocks": (lambda d, s, sl: (d, s[:1], None, "int8"), r"`src` must be at least n = 2"),
+    "int4 odd D": (lambda d, s, sl: (d, s[..., :15], sl, "int4"), r"`src` must be an even D"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUANT_BAD))
+def test_quant_contract_rejects(recorded_launches, name):
+    blocks = _quant_source(torch.float32, count=2)
+    make, message = QUANT_BAD[name]
+    args = make(_packed_like("int8", 2, 2, 2, 8, 16), blocks, torch.tensor([1, 0], dtype=torch.int32))
+    with pytest.raises(LayoutError, match=message):
+        cuda.quant_blocks(*args)
+    with pytest.raises(LayoutError, match=message):
+        reference.quant_blocks(*args)
+    assert recorded_launches == []
+
+
+def test_reference_quant_blocks_is_packing_encode_and_names_a_bad_slot():
+    from tiered_kv.compression import packing
+
+    blocks = _quant_source(torch.bfloat16, count=3)
+    dst = _packed_like("int4", 2, 2, 2, 8, 16)
+    reference.quant_blocks(dst, blocks, torch.tensor([2, 0], dtype=torch.int32), "int4")
+    assert torch.equal(dst, packing.encode(blocks[[2, 0]], "int4"))
+    with pytest.raises(LayoutError, match=r"`slots` must name slots of `src` in \[0, 3\)"):
+        reference.quant_blocks(dst, blocks, torch.tensor([3, 0], dtype=torch.int32), "int4")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("mode", DEQUANT_MODES)
+def test_gpu_quant_blocks_match_the_cpu_codec_into_device_and_pinned_memory(mode, dtype):
+    """The kernel against packing.encode on the CPU (torch on CUDA divides by a constant as a product
+    with its reciprocal, so its bits may differ from both), out of a hot slab's slots through a list,
+    into device memory and into a pinned (warm) slab through UVA."""
+    from tiered_kv.compression import packing
+
+    blocks = _quant_source(dtype, count=5, layers=3, heads=3, block_size=16, head_dim=64, seed=5)
+    slab, view = _hot_slot_view(7, 3, 3, 16, 64, dtype)
+    slots = torch.tensor([6, 2, 0, 5, 3], dtype=torch.int32)
+    view[slots.long()] = blocks
+    slab = slab.cuda()
+    view = slab.view(3, 2, 3, 7, 16, 64).permute(3, 0, 1, 2, 4, 5)
+    want = packing.encode(blocks, mode)
+    for dst in (_packed_like(mode, 5, 3, 3, 16, 64).cuda(), _packed_like(mode, 5, 3, 3, 16, 64).pin_memory()):
+        cuda.quant_blocks(dst, view, slots.cuda(), mode)
+        torch.cuda.synchronize()
+        assert packed_mismatches(dst, want, mode, 3, 16, 64) == 0
+

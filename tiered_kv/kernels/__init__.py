@@ -1,5 +1,5 @@
 """Native ops over tiered KV blocks: paged-attention decode, LSE merge, block gather/scatter,
-dequantization of compressed blocks.
+quantization and dequantization of compressed blocks.
 
     from tiered_kv.kernels import ops
     out, lse = ops.paged_decode(query, sources, block_table, tier_tags, start_offsets, seq_lens, scale)
@@ -7,6 +7,7 @@ dequantization of compressed blocks.
     ops.gather_blocks(dst, src, slots)     # dst[i] = src[slots[i]]
     ops.scatter_blocks(dst, src, slots)    # dst[slots[i]] = src[i]
     ops.dequant_blocks(dst, packed, slots, "int8")  # dst[slots[i]] = decode(packed[i]) (or dst[i])
+    ops.quant_blocks(packed, src, slots, "int8")    # packed[i] = encode(src[slots[i]]) (or src[i])
     ops.backend                            # "cuda" (cupy + native/*.cu) or "torch" (reference.py)
     ops.fallback_reason                    # why "torch", or None
 

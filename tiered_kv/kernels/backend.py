@@ -33,11 +33,13 @@ class KernelOps:
     gather_blocks: Callable
     scatter_blocks: Callable
     dequant_blocks: Callable
+    quant_blocks: Callable
 
 
 def torch_ops(reason: str | None) -> KernelOps:
     return KernelOps("torch", reason, reference.paged_decode, reference.merge_states,
-                     reference.gather_blocks, reference.scatter_blocks, reference.dequant_blocks)
+                     reference.gather_blocks, reference.scatter_blocks, reference.dequant_blocks,
+                     reference.quant_blocks)
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -70,7 +72,7 @@ def choose_ops() -> KernelOps:
 
     log.info("kernels: CUDA ops (cupy RawModule, native/*.cu)")
     return KernelOps("cuda", None, cuda.paged_decode, cuda.merge_states, cuda.gather_blocks, cuda.scatter_blocks,
-                     cuda.dequant_blocks)
+                     cuda.dequant_blocks, cuda.quant_blocks)
 
 
 _chosen: KernelOps | None = None

@@ -230,6 +230,52 @@ def dequant_layout_args(mode: str, heads: int, block_size: int, head_dim: int) -
             at("v_zero"), at("r0_scale"))
 
 
+def quant_layout_args(mode: str, heads: int, block_size: int, head_dim: int) -> tuple[int, ...]:
+    """A quant launch's layout arguments: dequant_layout_args's, then the pad byte before the float16s
+    (the codes end at an odd offset; the kernel writes it 0), or -1."""
+    parts = layout_parts(mode, heads, block_size, head_dim)
+    codes_end = max(end for first, end in parts.values() if end <= parts.first_half)
+    pad = parts.first_half - 1 if codes_end < parts.first_half else -1
+    return (*dequant_layout_args(mode, heads, block_size, head_dim), pad)
+
+
+def check_quant(dst, src, slots, mode: str, *, require_cuda: bool = False) -> torch.device:
+    """Checks one quant_blocks call; returns the device it runs on (src's).
+
+    src: float32/float16/bfloat16 [N, L, 2, H, block_size, D] with D stride 1 (any other strides: a
+    hot slab's slot-major view); dst: uint8 [n, L, P] with P stride 1, P the packed slice bytes of
+    `mode` for (H, bs, D), 2-byte aligned (its address and strides even), on src's device or pinned
+    host memory; slots: None (src[i] for i < n, so N >= n) or int32 [n] contiguous on src's device.
+    """
+    op = "quant_blocks"
+    if mode not in DEQUANT_MODES:
+        raise LayoutError(f"{op}: `mode` must be one of {', '.join(map(repr, DEQUANT_MODES))}; got {mode!r}")
+    if not isinstance(src, torch.Tensor) or src.dim() != 6 or src.dtype not in FLOAT_DTYPES or \
+            (src.shape[-1] > 1 and src.stride(-1) != 1) or src.shape[2] != 2:
+        raise _fail(op, "src", "float32, float16 or bfloat16 [N, L, 2, H, block_size, D] with D stride 1", src)
+    device = _home_device(op, "src", src, require_cuda)
+    _, layers, _, heads, block_size, head_dim = src.shape
+    if mode == "int4" and head_dim % 2:
+        raise _fail(op, "src", "an even D for int4 (two codes per byte)", src)
+    packed = packed_layer_bytes(heads, block_size, head_dim, mode)
+    where = f"on {device}" + (" or pinned host memory" if device.type == "cuda" else "")
+    expected = f"uint8 [n, {layers}, {packed}] ({mode} slices of H={heads} bs={block_size} D={head_dim}) with " \
+               f"byte stride 1, an even address and even strides, {where}"
+    ok = isinstance(dst, torch.Tensor) and dst.dtype == torch.uint8 and dst.dim() == 3
+    ok = ok and tuple(dst.shape[1:]) == (layers, packed) and (packed <= 1 or dst.stride(2) == 1)
+    ok = ok and dst.data_ptr() % 2 == 0 and dst.stride(0) % 2 == 0 and dst.stride(1) % 2 == 0
+    if not ok or not _on_device_or_pinned(dst, device):
+        raise _fail(op, "dst", expected, dst)
+    if slots is None:
+        if src.shape[0] < dst.shape[0]:
+            raise _fail(op, "src", f"at least n = {dst.shape[0]} slots (no `slots` list: dst[i] = encode(src[i]))", src)
+    else:
+        _check_index(op, "slots", slots, (dst.shape[0],), f"[{dst.shape[0]}]", device)
+    if src.shape[0] > _INT32_MAX:
+        raise _fail(op, "src", f"at most {_INT32_MAX} slots", src)
+    return device
+
+
 def check_dequant(dst, src, slots, mode: str, *, require_cuda: bool = False) -> torch.device:
     """Checks one dequant_blocks call; returns the device it runs on (dst's).
 

@@ -31,6 +31,7 @@ DECODE_PARTITION_TOKENS: int | None = None
 MERGE_THREADS = 128  # TKV_MERGE_THREADS
 COPY_THREADS = 128  # TKV_COPY_THREADS
 DEQUANT_THREADS = 128  # TKV_DEQUANT_THREADS
+QUANT_THREADS = 128  # TKV_QUANT_THREADS
 COMPILE_OPTIONS = ("-std=c++17",)
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _compile_lock = threading.Lock()
@@ -311,3 +312,22 @@ def dequant_blocks(dst: torch.Tensor, src: torch.Tensor, slots, mode: str) -> No
     )
     _launch("dequant_blocks.cu", f"dequant_blocks_{_DTYPE_SUFFIX[dst.dtype]}", (count, layers, 2 * heads),
             (DEQUANT_THREADS, 1, 1), args, device)
+
+
+def quant_blocks(dst: torch.Tensor, src: torch.Tensor, slots, mode: str) -> None:
+    """dst[i] = encode(src[slots[i]]) (or src[i]); same contract as reference.quant_blocks, the same bytes
+    as packing.encode on the CPU. One launch, grid (n, L, 2 * H), on src's device; dst may be pinned
+    host memory (written through UVA)."""
+    if not _takes_cuda_path(dst, src):
+        return reference.quant_blocks(dst, src, slots, mode)
+    device = contracts.check_quant(dst, src, slots, mode, require_cuda=_REQUIRE_CUDA)
+    count, (layers, _, heads, block_size, head_dim) = dst.shape[0], src.shape[1:]
+    if count == 0 or layers == 0 or heads == 0 or block_size == 0 or head_dim == 0:
+        return
+    args = (
+        _ptr(dst), _i64(dst.stride(0)), _i64(dst.stride(1)), _ptr(src), *map(_i64, src.stride()[:5]),
+        _i32(src.shape[0]), _ptr(slots), _i32(heads), _i32(block_size), _i32(head_dim),
+        _i32(contracts.DEQUANT_MODES[mode]), *map(_i32, contracts.quant_layout_args(mode, heads, block_size, head_dim)),
+    )
+    _launch("quant_blocks.cu", f"quant_blocks_{_DTYPE_SUFFIX[src.dtype]}", (count, layers, 2 * heads),
+            (QUANT_THREADS, 1, 1), args, device)

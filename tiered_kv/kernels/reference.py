@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from ..compression.packing import decode_torch
+from ..compression.packing import decode_torch, encode
 from ..errors import LayoutError
 from . import contracts
 
@@ -128,3 +128,15 @@ def dequant_blocks(dst: torch.Tensor, src: torch.Tensor, slots, mode: str) -> No
     decoded = torch.empty((src.shape[0], *dst.shape[1:]), dtype=dst.dtype, device=dst.device)
     decode_torch(src, mode, decoded)
     dst.index_copy_(0, indices, decoded)
+
+
+def quant_blocks(dst: torch.Tensor, src: torch.Tensor, slots, mode: str) -> None:
+    """dst[i] = the layer slices src[slots[i]] (or src[i]) packed: compression/packing.py's `encode`,
+    on src's device (a slot out of range raises here; the kernel skips it)."""
+    contracts.check_quant(dst, src, slots, mode)
+    count = dst.shape[0]
+    if slots is None:
+        picked = src[:count]
+    else:
+        picked = src.index_select(0, _slot_indices("quant_blocks", "src", slots, src.shape[0], src.device))
+    dst.copy_(encode(picked, mode))

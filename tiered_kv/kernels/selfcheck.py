@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..compression import MODES
+from ..compression import MODES, layout_parts
 from ..compression.packing import encode
 from . import reference
 from .backend import get_ops
@@ -29,6 +29,21 @@ def max_abs_error(got: torch.Tensor, want: torch.Tensor) -> float:
     same = (got == want) | (torch.isnan(got) & torch.isnan(want))
     diff = torch.where(same, torch.zeros_like(got), (got - want).abs())
     return float(diff.max()) if diff.numel() else 0.0
+
+
+def packed_mismatches(got: torch.Tensor, want: torch.Tensor, mode: str, heads: int, block_size: int,
+                      head_dim: int) -> int:
+    """How many bytes of packed slices `[..., P]` differ, a zero scale's sign aside: for a group of
+    zeros packing.encode's torch.maximum gives -0 or +0 by the group's place in its vector loop,
+    native/quant_blocks.cu always +0 (the same decoded values)."""
+    parts = layout_parts(mode, heads, block_size, head_dim)
+    got, want = got.detach().cpu().clone(), want.detach().cpu().clone()
+    for packed in (got, want):
+        for name in ("k_scale", "v_scale", "r0_scale"):
+            if name in parts:
+                halves = packed[..., parts[name][0]:parts[name][1]].view(torch.int16)
+                halves.masked_fill_(halves == -32768, 0)
+    return int((got != want).sum())
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -48,7 +63,7 @@ def selfcheck(device="cuda", dtypes=DTYPES, block_sizes=BLOCK_SIZES, tier_mixes=
     device = torch.device(device)
     report: dict = {"backend": ops.backend, "fallback_reason": ops.fallback_reason,
                     "paged_decode": {}, "merge_states": {}, "gather_blocks": {}, "scatter_blocks": {},
-                    "dequant_blocks": {}}
+                    "dequant_blocks": {}, "quant_blocks": {}}
     for dtype in dtypes:
         for block_size in block_sizes:
             for tiers in tier_mixes:
@@ -69,6 +84,7 @@ def selfcheck(device="cuda", dtypes=DTYPES, block_sizes=BLOCK_SIZES, tier_mixes=
                 "out": max_abs_error(out, want_out), "lse": max_abs_error(lse, want_lse)}
         _check_merge(report, ops, dtype, head_dim, device, seed)
         _check_dequant(report, ops, dtype, block_sizes[0], head_dim, device, seed)
+        _check_quant(report, ops, dtype, block_sizes[0], head_dim, device, seed)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report["seconds"] = time.perf_counter() - started
@@ -123,3 +139,22 @@ def _check_dequant(report: dict, ops, dtype, block_size: int, head_dim: int, dev
             run(view, packed.to(device), slots, mode)
             results.append(slab)
         report["dequant_blocks"][f"{_name(dtype)}/bs{block_size}/{mode}"] = max_abs_error(*results)
+
+
+def _check_quant(report: dict, ops, dtype, block_size: int, head_dim: int, device, seed: int) -> None:
+    """Each compression mode packing blocks out of a hot slab's slots, against the torch codec on the
+    CPU (the reference's bits: torch on CUDA divides by a constant as a product with its reciprocal);
+    the number of bytes that differ, which should be 0."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots, count, layers, heads = 9, 4, 2, 2
+    slots = torch.randperm(num_slots, generator=gen)[:count].to(torch.int32)
+    slab = (torch.randn(layers, 2, heads, num_slots * block_size, head_dim, generator=gen) * 4).to(dtype)
+    view, device_view = (s.view(layers, 2, heads, num_slots, block_size, head_dim).permute(3, 0, 1, 2, 4, 5)
+                         for s in (slab, slab.to(device)))
+    for mode in MODES[1:]:
+        want = torch.empty(count, layers, layout_parts(mode, heads, block_size, head_dim).size, dtype=torch.uint8)
+        got = want.to(device)
+        reference.quant_blocks(want, view, slots, mode)
+        ops.quant_blocks(got, device_view, slots.to(device), mode)
+        report["quant_blocks"][f"{_name(dtype)}/bs{block_size}/{mode}"] = packed_mismatches(
+            got, want, mode, heads, block_size, head_dim)

@@ -28,6 +28,8 @@ KERNEL_FILES = {
     "scatter_blocks.cu": ("scatter_blocks",),
     # compressed lower tiers: packed blocks expanded into the model's dtype where they land
     "dequant_blocks.cu": ("dequant_blocks_f32", "dequant_blocks_f16", "dequant_blocks_bf16"),
+    # and the model's dtype packed where the blocks lie, on their way down into a compressed tier
+    "quant_blocks.cu": ("quant_blocks_f32", "quant_blocks_f16", "quant_blocks_bf16"),
 }
 
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
