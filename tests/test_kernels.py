@@ -1224,14 +1224,94 @@ def test_reference_quant_blocks_is_packing_encode_and_names_a_bad_slot():
         reference.quant_blocks(dst, blocks, torch.tensor([3, 0], dtype=torch.int32), "int4")
 
 
+# ---------------------------------------------------------------- codec.encode: the kernel on a GPU, torch elsewhere
+
+@pytest.fixture
+def native_codec(emulated, monkeypatch):
+    """codec as on a GPU whose kernels run: its ops are the CUDA wrappers (launching the host build) and
+    CPU tensors count as the kernels' device."""
+    import dataclasses
+
+    from tiered_kv.compression import codec
+
+    ops = dataclasses.replace(backend.torch_ops(None), backend="cuda", quant_blocks=cuda.quant_blocks,
+                              dequant_blocks=cuda.dequant_blocks)
+    monkeypatch.setattr(codec, "get_ops", lambda: ops)
+    monkeypatch.setattr(codec, "NATIVE_DEVICE_TYPES", ("cuda", "cpu"))
+    return emulated
+
+
+@needs_host_build
+@pytest.mark.parametrize("mode", DEQUANT_MODES)
+def test_codec_encode_takes_the_kernel_where_the_kernels_run(native_codec, mode):
+    from tiered_kv.compression import codec, packing
+
+    blocks = _quant_source(torch.float16, count=3, layers=2, heads=2, block_size=4, head_dim=16, seed=3)
+    for x in (blocks, blocks[:, 1], blocks[1, 0], blocks.transpose(0, 1)):  # [n, L], [n], one slice, strided
+        assert packed_mismatches(codec.encode(x, mode), packing.encode(x, mode), mode, 2, 4, 16) == 0
+    slab = _packed_like(mode, 5, 2, 2, 4, 16)
+    codec.encode_into(blocks, mode, slab[1:4])  # straight into a (warm) slab's rows
+    assert packed_mismatches(slab[1:4], packing.encode(blocks, mode), mode, 2, 4, 16) == 0
+    assert bool((slab[0] == 0xAB).all()) and bool((slab[4] == 0xAB).all())
+    assert [name for name, _ in native_codec] == ["quant_blocks_f16"] * 5
+    assert torch.equal(codec.encode(blocks.double(), mode), packing.encode(blocks.double(), mode))  # float64: torch
+    assert len(native_codec) == 5
+    with pytest.raises(ValueError, match=r"encode_into: out must be uint8"):
+        codec.encode_into(blocks, mode, slab[:2])
+
+
+@needs_host_build
+def test_compressed_tiers_demote_through_the_kernel_where_the_kernels_run(native_codec, tmp_path):
+    from tiered_kv.blocks import KVLayout
+    from tiered_kv.compression import packing
+    from tiered_kv.tiers.cold_files import open_cold_directory
+    from tiered_kv.tiers.compressed import CompressedColdTier, CompressedWarmTier
+
+    layout = KVLayout(2, 2, 16, 4, "bfloat16", "int8")
+    blocks = _quant_source(torch.bfloat16, count=3, layers=2, heads=2, block_size=4, head_dim=16, seed=4)
+    warm = CompressedWarmTier(layout, 6, torch.bfloat16, pinned=False)
+    warm.write_blocks([5, 1, 2], blocks)
+    assert packed_mismatches(warm.slab[[5, 1, 2]], packing.encode(blocks, "int8"), "int8", 2, 4, 16) == 0
+    directory = open_cold_directory(str(tmp_path / "cold"))
+    cold = CompressedColdTier(layout, 4, directory, backend="posix", fsync=False)
+    try:
+        cold.write_blocks([3, 0], blocks[:2])
+        assert packed_mismatches(torch.from_numpy(cold.read_packed([3, 0])), packing.encode(blocks[:2], "int8"),
+                                 "int8", 2, 4, 16) == 0
+    finally:
+        cold.close()
+        directory.close()
+    assert [name for name, _ in native_codec][:2] == ["quant_blocks_bf16"] * 2
+
+
+def test_codec_encode_on_the_cpu_is_packing_encode(monkeypatch):
+    """Where the kernels do not run on the data's device (the CPU, always here), encode is packing's,
+    and never asks the kernels."""
+    import dataclasses
+
+    from tiered_kv.compression import codec, packing
+
+    def refuse(*args):
+        raise AssertionError("the CPU path launched a kernel")
+
+    monkeypatch.setattr(codec, "get_ops", lambda: dataclasses.replace(backend.torch_ops(None), backend="cuda",
+                                                                      quant_blocks=refuse))
+    blocks = _quant_source(torch.float32, count=2)
+    for mode in DEQUANT_MODES:
+        assert torch.equal(codec.encode(blocks, mode), packing.encode(blocks, mode))
+        out = _packed_like(mode, 2, 2, 2, 8, 16)
+        codec.encode_into(blocks, mode, out)
+        assert torch.equal(out, packing.encode(blocks, mode))
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("mode", DEQUANT_MODES)
 def test_gpu_quant_blocks_match_the_cpu_codec_into_device_and_pinned_memory(mode, dtype):
     """The kernel against packing.encode on the CPU (torch on CUDA divides by a constant as a product
     with its reciprocal, so its bits may differ from both), out of a hot slab's slots through a list,
-    into device memory and into a pinned (warm) slab through UVA."""
-    from tiered_kv.compression import packing
+    into device memory and into a pinned (warm) slab through UVA; and codec.encode takes it."""
+    from tiered_kv.compression import codec, packing
 
     blocks = _quant_source(dtype, count=5, layers=3, heads=3, block_size=16, head_dim=64, seed=5)
     slab, view = _hot_slot_view(7, 3, 3, 16, 64, dtype)
@@ -1244,4 +1324,22 @@ def test_gpu_quant_blocks_match_the_cpu_codec_into_device_and_pinned_memory(mode
         cuda.quant_blocks(dst, view, slots.cuda(), mode)
         torch.cuda.synchronize()
         assert packed_mismatches(dst, want, mode, 3, 16, 64) == 0
+    assert packed_mismatches(codec.encode(blocks.cuda(), mode), want, mode, 3, 16, 64) == 0
 
+
+@needs_gpu
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_gpu_demotion_into_a_compressed_warm_tier_packs_on_the_device(pinned):
+    """write_blocks with blocks on the GPU: the kernel packs them there and the packed rows go straight
+    into the slab (one copy per run of slots), the bytes of packing.encode on the CPU."""
+    from tiered_kv.blocks import KVLayout
+    from tiered_kv.compression import packing
+    from tiered_kv.tiers.compressed import CompressedWarmTier
+
+    layout = KVLayout(3, 2, 64, 16, "bfloat16", "int4")
+    blocks = _quant_source(torch.bfloat16, count=6, layers=3, heads=2, block_size=16, head_dim=64, seed=6)
+    warm = CompressedWarmTier(layout, 10, torch.bfloat16, pinned=pinned)
+    slots = [7, 8, 9, 0, 4, 5]
+    warm.write_blocks(slots, blocks.cuda())
+    assert packed_mismatches(warm.slab[slots], packing.encode(blocks, "int4"), "int4", 2, 16, 64) == 0
+    assert bool((warm.slab[[1, 2, 3, 6]] == 0).all())

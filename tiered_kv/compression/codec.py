@@ -1,12 +1,14 @@
 """The codecs of compression/__init__.py's packed layout, as the tiers call them.
 
-`encode` packs layer slices `[..., 2, H, bs, D]` into uint8 `[..., P]`; `decode_into` unpacks them
-straight into a destination of the model's dtype (a stream buffer, the hot slab's slots: any
-strided view), `decode` into a new tensor. A decode step over history in a compressed warm tier
-runs `decode_into` for every layer. The torch work is packing.py's (`encode`, `decode_torch`:
-vectorized, CPU or CUDA); on CUDA the native kernel (native/dequant_blocks.cu,
-kernels.ops.dequant_blocks) does a decode in one pass, and `decode_into` takes it when the
-destination is on a GPU and the kernels run there. Imports go one way: codec -> kernels -> packing.
+`encode` packs layer slices `[..., 2, H, bs, D]` into uint8 `[..., P]` (`encode_into`: into a given
+buffer); `decode_into` unpacks them straight into a destination of the model's dtype (a stream
+buffer, the hot slab's slots: any strided view), `decode` into a new tensor. A decode step over
+history in a compressed warm tier runs `decode_into` for every layer; a demotion into a compressed
+tier runs `encode` where the blocks are. The torch work is packing.py's (`encode`, `decode_torch`:
+vectorized, CPU or CUDA); on CUDA the native kernels do each in one pass and are taken when the data
+is on a GPU and the kernels run there: native/quant_blocks.cu (kernels.ops.quant_blocks: the bytes
+packing.encode makes on the CPU) and native/dequant_blocks.cu (kernels.ops.dequant_blocks). On the
+CPU both are packing.py's. Imports go one way: codec -> kernels -> packing.
 """
 
 from __future__ import annotations
@@ -16,10 +18,39 @@ import torch
 
 from ..kernels import get_ops
 from . import MODES, layout_parts, mode_spec, packed_layer_bytes
-from .packing import FP8_MAX, INT4_LEVELS, INT8_MAX, decode_torch, encode, parts  # noqa: F401  (codec's names)
+from .packing import FP8_MAX, INT4_LEVELS, INT8_MAX, decode_torch, parts  # noqa: F401  (codec's names)
+from .packing import encode as encode_torch
 
 _MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                  "float64": torch.float64}
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# device types whose tensors the native kernels take when they run there (tests add "cpu" to drive
+# the kernels' host build, tests/kernel_emulation.py, through this module)
+NATIVE_DEVICE_TYPES = ("cuda",)
+
+
+def encode(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """Layer slices `[..., 2, H, bs, D]` (any float dtype, any strides) packed as uint8 `[..., P]` on
+    x's device: native/quant_blocks.cu on a GPU whose kernels run there, else packing.encode."""
+    if x.device.type in NATIVE_DEVICE_TYPES:
+        heads, bs, dim = x.shape[-3:]
+        out = torch.empty(*x.shape[:-4], packed_layer_bytes(heads, bs, dim, mode), dtype=torch.uint8, device=x.device)
+        if _native_encode(x, mode, out):
+            return out
+    return encode_torch(x, mode)
+
+
+def encode_into(x: torch.Tensor, mode: str, out: torch.Tensor) -> None:
+    """`encode` into uint8 `out` `[..., P]` (x's leading dims, P stride 1): on x's device, or pinned
+    host memory that the kernel writes through UVA when x is on a GPU (a compressed warm slab)."""
+    heads, bs, dim = x.shape[-3:]
+    expected = (*x.shape[:-4], packed_layer_bytes(heads, bs, dim, mode))
+    if tuple(out.shape) != expected or out.dtype != torch.uint8:
+        raise ValueError(f"encode_into: out must be uint8 {list(expected)} for {mode} slices {list(x.shape)}; "
+                         f"got {out.dtype} {list(out.shape)}")
+    if x.device.type in NATIVE_DEVICE_TYPES and _native_encode(x, mode, out):
+        return
+    out.copy_(encode_torch(x, mode))
 
 
 def decode_into(packed: torch.Tensor, mode: str, out: torch.Tensor) -> None:
@@ -66,6 +97,23 @@ def _native_decode(packed: torch.Tensor, mode: str, out: torch.Tensor) -> bool:
             or not (packed.device == out.device or (packed.device.type == "cpu" and packed.is_pinned())):
         return False
     ops.dequant_blocks(out, packed, None, mode)
+    return True
+
+
+def _native_encode(x: torch.Tensor, mode: str, out: torch.Tensor) -> bool:
+    """Encode with native/quant_blocks.cu when the kernels run here and the tensors fit its contract
+    (`[n, L, 2, H, bs, D]` into `[n, L, P]`, `[n, 2, H, bs, D]` into `[n, P]` or one slice); False:
+    the torch path runs."""
+    ops = get_ops()
+    if ops.backend != "cuda" or x.dim() - out.dim() != 3 or not 4 <= x.dim() <= 6:
+        return False
+    while x.dim() < 6:  # the kernel's [n, L] leading dims
+        x, out = x.unsqueeze(-5), out.unsqueeze(-2)
+    if x.shape[:2] != out.shape[:2] or x.dtype not in _KERNEL_DTYPES or (x.shape[-1] > 1 and x.stride(-1) != 1) \
+            or out.data_ptr() % 2 or out.stride(0) % 2 or out.stride(1) % 2 or out.stride(2) != 1 \
+            or not (out.device == x.device or (out.device.type == "cpu" and out.is_pinned())):
+        return False
+    ops.quant_blocks(out, x, None, mode)
     return True
 
 

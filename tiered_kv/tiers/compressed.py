@@ -2,19 +2,18 @@
 interface as warm.py and cold.py, in the model's dtype at the edge, packed bytes inside.
 
 A block is stored as uint8 `[L, layer_bytes]`, each layer slice packed by compression/codec.py
-(int8, fp8 or int4 codes with float16 scales). `write_blocks` encodes; every read decodes straight
-into where the values are wanted (`codec.decode_into`): a step's token reads into its output or
-stream buffer, `read_blocks_into` into a slot-major view (the hot slab's slots on a promotion).
-`kernel_view` is None: the paged decode kernel reads these blocks through the gather path (decoded
-into its buffer), never in place.
+(int8, fp8 or int4 codes with float16 scales). `write_blocks` encodes where the data is (from a GPU:
+native/quant_blocks.cu there, and only the packed bytes cross the link, straight into the warm slab's
+rows); every read decodes straight into where the values are wanted (`codec.decode_into`): a step's token
+reads into its output or stream buffer, `read_blocks_into` into a slot-major view (the hot slab's slots
+on a promotion). `kernel_view` is None: the paged decode kernel reads these blocks decoded, never in place.
 
 Token writes (warm and cold) go through open_blocks.py: a block being filled is kept at full precision
 beside its packed bytes, which always encode its present tokens only (never a reused slot's old bytes,
 never its own tokens quantized twice); full, it holds exactly what one whole write stores.
 
-Between two tiers of the same compression the packed bytes move as they are (`read_packed` /
-`write_packed`): a block is quantized once, when it first goes down, and never again on its way
-between warm and cold.
+Between two tiers of the same compression the packed bytes move as they are (`read_packed` / `write_packed`):
+a block is quantized once, when it first goes down, and never again on its way between warm and cold.
 
 `CompressedColdTier` keeps everything of the cold tier (files, checksums over the packed bytes,
 durability, peers) and only converts at its edge; its records are format version 2, whose header
@@ -71,11 +70,6 @@ class _Codec:
             out[:, :, lo - first:hi - first] = whole[:, :, lo - block * bs:hi - block * bs]
 
 
-def _gather_tokens(slices: torch.Tensor, blocks, offsets) -> torch.Tensor:
-    """`[2, H, t, D]` of decoded slices `[n, 2, H, bs, D]` at (block, offset) per token."""
-    return slices[torch.as_tensor(blocks), :, :, torch.as_tensor(offsets)].permute(1, 2, 0, 3)
-
-
 def decode_runs(tier_codec: _Codec, packed: torch.Tensor, dst_view: torch.Tensor, dst_slots: list[int]) -> None:
     """Packed blocks `[n, L, P]` decoded into `dst_view[dst_slots[i]]` of a slot-major view
     `[S, L, 2, H, bs, D]` (a hot slab's `slots_view()`, a records slab), one decode per run of
@@ -127,9 +121,14 @@ class CompressedWarmTier(WarmTier):
         decode_runs(self.codec, self.read_packed(slots), dst_view, dst_slots)
 
     def write_blocks(self, slots: list[int], data: torch.Tensor) -> None:
-        packed = self.codec.encode(data)  # on the data's device: a demotion from a GPU packs there
+        packed = self.codec.encode(data)  # where the data is: from a GPU, native/quant_blocks.cu packs there
         self.open_blocks.drop(slots)
-        self.slab.index_copy_(0, self._slot_tensor(slots), packed.to("cpu"))
+        if not packed.is_cuda:
+            self.slab.index_copy_(0, self._slot_tensor(slots), packed)
+            return
+        for s0, i0, length in slot_runs(slots, range(len(slots))):  # one device-to-host copy per run of rows
+            self.slab[s0:s0 + length].copy_(packed[i0:i0 + length], non_blocking=self.pinned)
+        torch.cuda.current_stream(packed.device).synchronize()  # written when this returns, as on the CPU
 
     def forget(self, slots: list[int]) -> None:
         """Slots were freed: their open blocks go (a new block there starts from nothing)."""
@@ -205,7 +204,8 @@ class CompressedWarmTier(WarmTier):
         else:
             slots, positions, offsets = self._blocks_and_offsets(index)
             slices = self.codec.decode(self.slab[slots, layer], out.dtype)
-            out.copy_(_gather_tokens(slices, positions, offsets), non_blocking=True)
+            tokens = slices[torch.as_tensor(positions), :, :, torch.as_tensor(offsets)]  # [t, 2, H, D]
+            out.copy_(tokens.permute(1, 2, 0, 3), non_blocking=True)
         if patches:
             self.open_blocks.apply(out, patches, lambda slot: warm_tokens(index, slot, self.layout.block_size))
 
