@@ -38,6 +38,34 @@ from .state import StoreState
 from .step_build import StepBuild
 from .token_map import TokenMapper
 
+
+def touch_order(request: StepRequest, tables: list[list[int]], new_blocks: list[list[int]], block_size: int,
+                allocated: list[int]) -> np.ndarray:
+    """Every block a step reads or writes, once, in the order its recency touch gives them: the
+    oldest sequence position first, every row's (and layer group's) block at one position before
+    any at the next. All of them are read at the same store step, so LRU breaks their ties by this
+    order: a later step that needs room takes the oldest positions of every group first, never one
+    group's newest history before another group's oldest (a hybrid model's first groups would read
+    their most recent blocks from a compressed tier while its last ones kept older blocks in hot).
+    Blocks no table holds any more (a tail replaced by its copy) come first."""
+    ids: list[int] = []
+    positions: list[int] = []
+    for r, table in enumerate(tables):
+        first = request.first_token(r, block_size) // block_size
+        gap = request.new_first_block(r)
+        ids += table
+        if gap is None:
+            positions += range(first, first + len(table))
+        else:  # gapped: the old blocks, then the new ones from the gap on
+            num_old = len(table) - len(new_blocks[r])
+            positions += range(first, first + num_old)
+            positions += range(gap, gap + len(new_blocks[r]))
+    ordered = np.asarray(ids, dtype=np.int64)[np.argsort(np.asarray(positions, dtype=np.int64), kind="stable")].tolist()
+    held = set(ordered)
+    rest = [b for b in itertools.chain(request.block_set, allocated) if b not in held]
+    return np.fromiter(dict.fromkeys(itertools.chain(rest, ordered)), dtype=np.int64)
+
+
 @dataclass
 class OwnerCache:
     """Per chat (step owner), what lets a step skip O(blocks) work when nothing moved."""
@@ -136,7 +164,7 @@ class Opening:
                                  max(0, request.num_tokens_before - first), new_from - request.num_tokens_before))
         cache.tables = [(row.table, row.tiers, row.slots) for row in rows]
         cache.placement_version = state.index.placement_version
-        block_ids = np.fromiter(dict.fromkeys(itertools.chain(request.block_set, build.allocated)), dtype=np.int64)
+        block_ids = touch_order(request, tables, build.new_blocks, block_size, build.allocated)
         counts = tier_counts([(row.tiers, None) for row in rows])
         moved_down = build.result.committed.any_down()
         lease = StepLease(self, request.owner, request.num_tokens, request.num_new_tokens, rows, build.result.committed,
