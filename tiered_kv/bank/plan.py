@@ -81,6 +81,7 @@ class StepPlan:
         self.detach = torch.is_grad_enabled()
         self.layer = self._staged_layer
         self.kernel_args = None  # paged: (block table, tags, starts, lens)
+        self.buffer = None  # the bank's GatherBuffer: a staged step's one row is read into it, layer after layer
 
     # ---- layers ------------------------------------------------------------------------------------
     def _write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -141,8 +142,12 @@ class StepPlan:
     def _staged_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor, seam):
         self._write(layer, key, value)
         lease = self.lease
+        out = None
+        if key.shape[0] == 1 and self.buffer is not None and not self.detach:  # (autograd may keep a layer's K/V)
+            row = lease.rows[0]
+            out = self.buffer.views((2, key.shape[1], row.num_tokens, key.shape[3]), key.dtype, key.device, _same)
         with self.guard():
-            rows = [lease.read_layer(layer, r) for r in range(key.shape[0])]
+            rows = [lease.read_layer(layer, r, out) for r in range(key.shape[0])]
         kv = rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, dim=1)
         if layer == self.last_layer:
             self.on_last_layer()
@@ -196,6 +201,10 @@ def paged_kernels():
     return None
 
 
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 def prepare(plan: StepPlan, slab: DeviceSlab | None, buffer: GatherBuffer, dtype: torch.dtype, *,
             allow_views: bool, paged_kernels=None, mask_starts=None, split: bool = False,
             traced=None) -> StepPlan:
@@ -207,6 +216,7 @@ def prepare(plan: StepPlan, slab: DeviceSlab | None, buffer: GatherBuffer, dtype
     a CPU: partial.py); `traced`: a compiled step's preparation (compiled.prepare_traced)."""
     lease = plan.lease
     rows = lease.rows
+    plan.buffer = buffer
     if slab is None or any(row.skipped_new_tokens for row in rows):
         return plan
     blocks = [slab.block_positions(row.tiers, row.slots, row.num_tokens) for row in rows]

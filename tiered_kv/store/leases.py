@@ -135,14 +135,14 @@ class StepLease:
         mapper = self._host.mapper
         mapper.write_layer(layer, lease_row.runs(mapper)[0], kv)
 
-    def read_layer(self, layer: int, row: int) -> torch.Tensor:
+    def read_layer(self, layer: int, row: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """`[2, H, n, D]` of one layer and row on the compute device, n the tokens the row holds
         (all of them unless its table starts later: a sliding-window group; a gapped row's its
         old tokens only, without the new ones); a view of the hot slab when the row's blocks are
         consecutive hot slots."""
         with self._marking_corrupt():
             lease_row, mapper = self.rows[row], self._host.mapper
-            return mapper.read_layer(layer, lease_row.runs(mapper)[1], lease_row.num_tokens)
+            return mapper.read_layer(layer, lease_row.runs(mapper)[1], lease_row.num_tokens, out)
 
     # ---- the end ----------------------------------------------------------------------------------
     def commit(self) -> None:

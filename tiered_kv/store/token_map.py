@@ -21,6 +21,8 @@ from ..blocks import COLD, DROPPED, HOT, TIER_NAMES, WARM
 from ..errors import CorruptBlockError
 from ..metrics.registry import Metrics
 
+MAX_SPANS_PER_TIER = 8  # a tier's tokens in more ranges than this are gathered as one run (index_copy_)
+
 
 def raise_if_corrupt(block_tiers: np.ndarray, labels: np.ndarray, what: str) -> None:
     """CorruptBlockError naming the corrupt ones (their `labels`) when any block holds no data."""
@@ -69,34 +71,42 @@ class TokenMapper:
         )
 
     def group_by_tier(self, token_tiers: np.ndarray, slots: np.ndarray, offsets: np.ndarray) -> list[TierRun]:
-        """One TierRun per tier holding some of the tokens (positions None when one tier holds all)."""
+        """One TierRun per tier holding some of the tokens (positions None when one tier holds all);
+        a tier whose tokens form a few ranges of consecutive positions (hot holding a chat's newest
+        blocks and some of its first ones, say) gets one run per range, each read straight into
+        its place in the step's buffer instead of gathered and index-copied."""
         if (token_tiers == token_tiers[0]).all():
             tier = int(token_tiers[0])
             return [TierRun(tier, self.tiers[tier].token_index(slots, offsets), None)]
         runs = []
         for tier in (HOT, WARM, COLD):
             picked = np.nonzero(token_tiers == tier)[0]
-            if len(picked):
-                index = self.tiers[tier].token_index(slots[picked], offsets[picked])
-                first, end = int(picked[0]), int(picked[-1]) + 1
-                span = (first, end) if end - first == len(picked) else None
-                runs.append(TierRun(tier, index, torch.from_numpy(picked).to(self.device), span))
+            if not len(picked):
+                continue
+            bounds = [0, *(np.flatnonzero(np.diff(picked) != 1) + 1).tolist(), len(picked)]
+            ranges = list(zip(bounds[:-1], bounds[1:])) if len(bounds) <= MAX_SPANS_PER_TIER + 1 else [(0, len(picked))]
+            for a, b in ranges:
+                part = picked[a:b]
+                index = self.tiers[tier].token_index(slots[part], offsets[part])
+                first, end = int(part[0]), int(part[-1]) + 1
+                span = (first, end) if end - first == len(part) else None
+                runs.append(TierRun(tier, index, torch.from_numpy(part).to(self.device), span))
         return runs
 
-    def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int) -> torch.Tensor:
-        """`[2, H, num_tokens, D]` on the compute device: one layer's K/V of the mapped tokens."""
+    def read_layer(self, layer: int, runs: list[TierRun], num_tokens: int, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """`[2, H, num_tokens, D]` on the compute device: one layer's K/V of the mapped tokens, in
+        `out` when given (a buffer the caller reuses) and the tokens lie in more than one run."""
         if len(runs) == 1 and runs[0].positions is None:
             return self.read_run(layer, runs[0])
-        out = torch.empty((2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim),
-                          dtype=self.dtype, device=self.device)
+        shape = (2, self.layout.num_kv_heads, num_tokens, self.layout.head_dim)
+        if out is None or tuple(out.shape) != shape or out.dtype != self.dtype or out.device != self.device:
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
         for run in runs:
-            if run.span is not None and run.tier != HOT:  # read (decoded) straight into its place: no temporary
+            if run.span is not None:  # read (decoded) straight into its place: no temporary
                 self._read_tokens(run.tier, layer, run.index, out[:, :, run.span[0]:run.span[1]])
-                continue
-            data = self._read_tokens(run.tier, layer, run.index)
-            if run.span is not None:
-                out[:, :, run.span[0]:run.span[1]].copy_(data, non_blocking=True)
             else:
+                data = self._read_tokens(run.tier, layer, run.index)
                 out.index_copy_(2, run.positions, data.to(self.device, non_blocking=True))
         return out
 
@@ -125,5 +135,10 @@ class TokenMapper:
     def write_layer(self, layer: int, runs: list[TierRun], kv: torch.Tensor) -> None:
         """Store `kv` (`[2, H, t, D]`) for the mapped tokens of one layer, wherever they live."""
         for run in runs:
-            part = kv if run.positions is None else kv.index_select(2, run.positions)
+            if run.positions is None:
+                part = kv
+            elif run.span is not None:
+                part = kv[:, :, run.span[0]:run.span[1]]
+            else:
+                part = kv.index_select(2, run.positions)
             self.tiers[run.tier].write_tokens(layer, run.index, part)
