@@ -200,7 +200,7 @@ def _auto(**section):
                                                         "with keys 'expected_context_tokens', 'classes'"),
     ({"block_size": "auto", "block_size_auto": 2048}, "config key 'block_size_auto': got 2048; allowed: a mapping"),
     ({"block_sizes": "auto"}, "config key 'block_sizes' is unknown (value 'auto'); allowed keys: 'block_size', 'hot', "
-                              "'warm', 'cold', 'scheduler', 'metrics', 'remote', 'copies', 'compression', 'block_size_auto'"),
+                              "'warm', 'cold', 'scheduler', 'metrics', 'remote', 'copies', 'compression', 'attention', 'block_size_auto'"),
 ])
 def test_bad_values(data, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):

@@ -160,7 +160,7 @@ def test_to_dict_exact():
         "cold": {"path": "/tmp/kv", "capacity": 8 * GiB, "backend": "posix", "fsync": False, "write_behind_s": 1.0,
                  "admit": "published", "compression": "none", "high_watermark": 1.0, "low_watermark": 1.0},
         "scheduler": {"policy": "lru", "ali_window": 100, "ali_hot": 0.7, "ali_warm": 0.3, "bs_threshold": 0.8,
-                      "cs_weight": 0.5, "default_cost_sensitivity": 0.5, "idle_steps": 1000,
+                      "cs_weight": 0.5, "attention_weight": 0.0, "default_cost_sensitivity": 0.5, "idle_steps": 1000,
                       "half_life_turns": 16.0, "lfu_half_life_turns": 16.0, "ali_promote": False, "restore": "always", "background": True,
                       "mover_interval_s": 0.02, "max_fragmentation": 0.5, "min_contiguity": 0.9},
         "metrics": {"enabled": True},
@@ -169,6 +169,8 @@ def test_to_dict_exact():
         "copies": {"engine": "auto", "delay_us": 0},
         "compression": {"quality_floor": 0.99, "calibration_text": "mixed", "calibration_tokens": 512,
                         "check_explicit": True},
+        "attention": {"sample_steps": 0.05, "sample_layers": 0.25, "decay": 0.8,
+                      "sparse": {"budget": None, "first_blocks": 1, "recent_blocks": 2}},
     }
 
 

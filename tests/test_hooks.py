@@ -74,7 +74,7 @@ def test_exact_logits_are_bitwise_equal_to_sdpa(kind, model, tmp_path):
     assert bank.stats()["hooks"]["mode"] == "exact"
     reads = _reads(bank)
     if kind == "all_hot":  # consecutive hot slots: views, nothing copied
-        assert reads == {"view": 7, "gather": 0, "split": 0, "paged": 0, "staged": 0}, reads
+        assert reads == {"view": 7, "gather": 0, "split": 0, "paged": 0, "staged": 0, "sparse": 0}, reads
     elif kind == "forces_warm":  # hot and paged warm share the CPU slab: one gather per layer
         assert reads["gather"] >= 5 and reads["staged"] == 0, reads
     else:  # blocks in cold are read through the lease

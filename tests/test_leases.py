@@ -65,13 +65,18 @@ def test_a_step_reads_cold_blocks_without_the_store_lock(tmp_path, monkeypatch):
     store = bank.store
     seen = []
     cold = store.tiers[2]
-    real = cold.read_tokens
+    real, real_into = cold.read_tokens, cold.read_tokens_into
 
     def spy(layer, index):
         seen.append(store.lock.held_by_me)
         return real(layer, index)
 
+    def spy_into(layer, index, out):  # (a range of consecutive positions is read straight into the step's buffer)
+        seen.append(store.lock.held_by_me)
+        return real_into(layer, index, out)
+
     monkeypatch.setattr(cold, "read_tokens", spy)
+    monkeypatch.setattr(cold, "read_tokens_into", spy_into)
     ids = rand_ids(8, 30)
     out = greedy(model, ids, bank, 3)
     follow = torch.cat([out, rand_ids(9, 2)], 1)

@@ -78,3 +78,22 @@ def test_the_report_has_a_text_column():
     lines = quality.format_report([report, dataclasses.replace(report, text="notes.txt")]).splitlines()
     assert lines[0].startswith("text       compression") and lines[1].startswith("mixed      int8")
     assert lines[2].startswith("notes.txt  int8") and "255 scored tokens of 320 (mixed)" in lines[3]
+
+
+def test_cli_sparse_measures_sparse_reads_against_exact(tmp_path, capsys, smollm2):
+    """`tiered-kv quality --sparse`: a budget of every block is exact; a small one reads less."""
+    text = tmp_path / "text.txt"
+    text.write_text(quality.default_text()[:8000], encoding="utf-8")
+    assert cli.main(["quality", "--text", str(text), "--sparse", "1.0", "--context-tokens", "256", "--positions", "8",
+                     "--json", "--no-progress"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["text"] == "text.txt" and report["argmax_agreement"] == 1.0 and abs(report["kl_nats"]) < 1e-6
+    assert report["read_share_below_hot"] == 1.0 and report["context_tokens"] == 256
+    assert cli.main(["quality", "--text", str(text), "--sparse", "2", "--context-tokens", "256", "--positions", "8",
+                     "--json", "--no-progress"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["budget"] == 2 and report["read_share_below_hot"] < 0.5
+    for bad in ("0", "1.5", "lots"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["quality", "--sparse", bad])
+        assert exit_info.value.code == 2 and "attention.sparse.budget" in capsys.readouterr().err or bad == "lots"

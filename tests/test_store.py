@@ -421,8 +421,9 @@ def test_map_tokens_across_tiers_round_trips(make_store):
     assert tiers_of(store, [0, 1, 2]) == [COLD, WARM, HOT]
     block_ids, offsets = [0, 1, 2, 0, 2], [0, 1, 2, 3, 0]
     runs = map_tokens(store, block_ids, offsets)
-    assert [run.tier for run in runs] == [HOT, WARM, COLD]
-    assert [run.positions.tolist() for run in runs] == [[2, 4], [1], [0, 3]]
+    # one run per range of consecutive positions in a tier, each read straight into its place
+    assert [(run.tier, run.positions.tolist(), run.span) for run in runs] == [
+        (HOT, [2], (2, 3)), (HOT, [4], (4, 5)), (WARM, [1], (1, 2)), (COLD, [0], (0, 1)), (COLD, [3], (3, 4))]
     kv = torch.randn(2, 2, 5, 4, generator=torch.Generator().manual_seed(5))
     store.mapper.write_layer(1, runs, kv)
     assert torch.equal(store.mapper.read_layer(1, runs, 5), kv)

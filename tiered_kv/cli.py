@@ -41,6 +41,8 @@ def _quality(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(args.model, progress=not (args.no_progress or args.quiet))
     except (ModelNotFoundError, OSError, ValueError) as exc:  # (ConfigError is a ValueError)
         return _fail(exc, EXIT_USAGE)
+    if args.sparse is not None:  # (the calibration text is too short for --context-tokens + --positions)
+        return _sparse_quality(args, model, tokenizer, texts[:-1])
     reports = []
     try:
         for name, text in texts:
@@ -51,6 +53,18 @@ def _quality(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a text too short for two chunks (LayoutError, a ValueError too: int4 and odd heads)
         return _fail(exc, EXIT_USAGE)
     print(json.dumps([r.to_dict() for r in reports], indent=2) if args.json else quality.format_report(reports))
+    return 0
+
+
+def _sparse_quality(args: argparse.Namespace, model, tokenizer, texts: list) -> int:
+    from .tools import sparse_quality
+
+    try:
+        reports = [sparse_quality.measure_sparse(model, tokenizer, text, args.sparse, args.context_tokens,
+                                                 args.positions, text_name=name) for name, text in texts]
+    except ValueError as exc:  # a text too short for the positions asked
+        return _fail(exc, EXIT_USAGE)
+    print(json.dumps([r.to_dict() for r in reports], indent=2) if args.json else sparse_quality.format_sparse(reports))
     return 0
 
 

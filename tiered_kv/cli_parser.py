@@ -176,9 +176,30 @@ def _add_quality_command(commands) -> None:
                          help="tokens per forward pass (default: %(default)s)")
     quality.add_argument("--continuation-tokens", type=_positive_int, default=DEFAULT_CONTINUATION_TOKENS,
                          metavar="N", help="greedy tokens generated after the text (default: %(default)s)")
+    quality.add_argument("--sparse", type=_sparse_budget, default=None, metavar="BUDGET",
+                         help="measure sparse reads of spilled history instead (attention.sparse.budget: a share "
+                              "in (0, 1] of the blocks below hot, or a block count): one token a step after "
+                              "--context-tokens of context, hot 25%% of the chat, against reading every block")
+    quality.add_argument("--context-tokens", type=_positive_int, default=4096, metavar="N",
+                         help="with --sparse: tokens of context before the scored positions (default: %(default)s)")
+    quality.add_argument("--positions", type=_positive_int, default=512, metavar="N",
+                         help="with --sparse: positions scored, one decode step each (default: %(default)s)")
     quality.add_argument("--json", action="store_true", help="print JSON instead of text")
     quality.add_argument("--no-progress", action="store_true", help="no progress bar while loading the model")
     _add_verbosity(quality)
+
+
+def _sparse_budget(text: str):
+    from .config.attention import SparseConfig
+    from .errors import ConfigError
+    from .tools.sparse_quality import parse_budget
+
+    try:
+        budget = parse_budget(text)
+        SparseConfig(budget=budget)
+    except (ValueError, ConfigError) as exc:
+        raise argparse.ArgumentTypeError(f"--sparse {text!r}: {exc}") from None
+    return budget
 
 
 def _add_serve_command(commands) -> None:

@@ -338,9 +338,9 @@ class CacheBank(Cache):
         out["critical_path"] = {"move_s": cp["demote_s"] + cp["promote_s"], **cp}
         out["cost_sensitivity"] = self.cost_sensitivity
         out["kv_bytes"] = self.seq.kv_bytes(self.store.layout, self.num_layers)
-        # steps by how their layers read (plan.py); the gather buffer: the device memory beyond the tiers
         out["hooks"] = {"mode": self.hooks_mode, "gather_buffer_bytes": steps.gather_buffer.num_bytes,
-                        "steps_by_read": dict(steps.counts)}
+                        "steps_by_read": dict(steps.counts)}  # (by how their layers read: plan.py)
+        out["attention"] = steps.attention.report()  # sampled attention mass, sparse reads (attention_steps.py)
         return out
 
     @property

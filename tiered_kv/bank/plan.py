@@ -34,7 +34,7 @@ from ..blocks import COLD
 from ..store.device_slab import DeviceSlab, is_run
 from .partial import attend_split, prepare_split
 
-KINDS = ("view", "gather", "split", "paged", "staged")
+KINDS = ("view", "gather", "split", "paged", "staged", "sparse")
 
 
 class GatherBuffer:
@@ -82,6 +82,7 @@ class StepPlan:
         self.layer = self._staged_layer
         self.kernel_args = None  # paged: (block table, tags, starts, lens)
         self.buffer = None  # the bank's GatherBuffer: a staged step's one row is read into it, layer after layer
+        self.sparse = self.probe = None  # a sparse step's reads; a sampled step's probe (attention_steps.py)
 
     # ---- layers ------------------------------------------------------------------------------------
     def _write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -160,7 +161,9 @@ class StepPlan:
         as transformers' attention functions return it: the paged kernel over the rows' blocks where
         they lie, or one partial attention per run of the CPU slab merged by log-sum-exp (partial.py)."""
         layer = module.layer_idx
-        if self.read_kind == "split":
+        if self.read_kind == "sparse":
+            out = self.sparse.attend(self, module, query, attention_mask, scale)
+        elif self.read_kind == "split":
             out = attend_split(self, module, query, attention_mask, scale)
         else:
             sources = self.kernel_sources[layer]

@@ -23,6 +23,7 @@ import torch
 from ..errors import CapacityError, CorruptBlockError, LayoutError
 from ..store import PIN_WAIT_S, StepRequest
 from . import compiled
+from .attention_steps import AttentionSteps
 from .inputs import mask_starts, seen_inputs, take_inputs
 from .plan import KINDS, GatherBuffer, StepPlan, clear_expected, expect_paged, paged_kernels, prepare
 from .rows import Row
@@ -44,6 +45,7 @@ class StepMachine:
         self.forced_eager = False  # compiled.py made the coming forward run eagerly
         self.generate_compiles = False  # the generate() running now compiles its decode steps (compiled.py)
         self.unsettled_inputs: list = []  # committed steps whose token ids are still on their way (GPU)
+        self.attention = AttentionSteps(bank)  # sampled attention mass, key summaries, sparse steps
 
     # ---- the forward hooks (forward_watch.py) ----------------------------------------------------
     def note_forward_inputs(self, module, input_ids, attention_mask, position_ids) -> None:
@@ -144,6 +146,7 @@ class StepMachine:
             if plan.read_kind == "paged":
                 expect_paged(plan)  # attention without the plan would see only the new tokens: it raises
                 step.expects_paged = True
+        self.attention.prepare(step, plan, bank.hooks_mode if step.forward_seen else None)
         step.read_kind = plan.read_kind
         return plan
 
@@ -234,6 +237,7 @@ class StepMachine:
         self.step = self.plan = None
         if step.expects_paged:
             clear_expected()
+        self.attention.committed()
         self.unsettled_inputs.append((step.inputs, num_tokens_before, step.num_tokens))
         self.settle_inputs(wait=False)
         self.count(step)
@@ -292,6 +296,7 @@ class StepMachine:
             return
         if step.expects_paged:
             clear_expected()
+        self.attention.rolled_back()
         if step.created_rows:
             self.seq.rows = []
         self.rows_changed()

@@ -11,6 +11,7 @@ import yaml
 
 from ..errors import ConfigError
 from .checks import _error, parse_size
+from .attention import AttentionConfig
 from .compression import CompressionConfig
 from .placement import SchedulerConfig
 from .remote import RemoteConfig
@@ -26,7 +27,8 @@ _SECTION_KEYS = {"hot": ("device", "capacity", "capacity_blocks", *_WATERMARK_KE
                  "metrics": tuple(f.name for f in dataclasses.fields(MetricsConfig)),
                  "remote": tuple(f.name for f in dataclasses.fields(RemoteConfig)),
                  "copies": tuple(f.name for f in dataclasses.fields(CopiesConfig)),
-                 "compression": tuple(f.name for f in dataclasses.fields(CompressionConfig))}
+                 "compression": tuple(f.name for f in dataclasses.fields(CompressionConfig)),
+                 "attention": tuple(f.name for f in dataclasses.fields(AttentionConfig))}
 _AUTO_KEYS = tuple(f.name for f in dataclasses.fields(BlockSizeAutoConfig))
 _TOP_KEYS = ("block_size", *_SECTION_TYPES, BlockSizeAutoConfig.SECTION)
 

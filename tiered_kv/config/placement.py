@@ -26,7 +26,9 @@ class SchedulerConfig:
     `default_cost_sensitivity`) adds `cs_weight * CS` to a block's value under every policy (in
     the policy's unit: times `ali_window` for the step-valued ones; log2 turn heat under `turns`,
     where 0.5 is worth 8 turns of decay at the default half-life), so high-CS chats stay hot
-    longer and are the last victims. `lru` is the default (bench/policy_family.py, issue 35); `lfu` ages its counts and `turns` ranks chats
+    longer and are the last victims. `attention_weight` adds `attention_weight * mass` the same way,
+    mass a block's measured share of its chat's attention (the attention section samples it): within
+    a chat, the blocks attention passes over go down first. `lru` is the default (bench/policy_family.py, issue 35); `lfu` ages its counts and `turns` ranks chats
     by turn heat or by recency, whichever has lately predicted the next speaker better: see
     tiered_kv/scheduler/policies.py and access_log.py. `policy: ali` is accepted and means
     `turns` (its former name; `policy` then reads "turns").
@@ -37,6 +39,7 @@ class SchedulerConfig:
     ali_warm: float = 0.3
     bs_threshold: float = 0.8
     cs_weight: float = 0.5
+    attention_weight: float = 0.0  # adds this x a block's attention mass (attention section) to its value; 0: off
     default_cost_sensitivity: float = 0.5
     idle_steps: int = 1000  # a chat unread this many store steps has its hot blocks demoted; 0: never
     half_life_turns: float = 16.0  # `turns`: a chat's turn heat halves every this many turns of the store
@@ -48,7 +51,7 @@ class SchedulerConfig:
     max_fragmentation: float = 0.5  # hot pool: 1 - largest free run / free slots, above which it repacks
     min_contiguity: float = 0.9  # per chat: share of its hot blocks in one run, below which it repacks
 
-    _SHARES: ClassVar[tuple[str, ...]] = ("ali_hot", "ali_warm", "bs_threshold", "cs_weight",
+    _SHARES: ClassVar[tuple[str, ...]] = ("ali_hot", "ali_warm", "bs_threshold", "cs_weight", "attention_weight",
                                           "default_cost_sensitivity", "max_fragmentation", "min_contiguity")
 
     def __post_init__(self) -> None:

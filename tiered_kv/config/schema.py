@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from ..errors import ConfigError
 from .checks import _BLOCK_SIZE_ALLOWED, _error, _is_block_size, _is_int
+from .attention import AttentionConfig
 from .compression import CompressionConfig
 from .placement import SchedulerConfig
 from .remote import RemoteConfig
@@ -86,7 +87,8 @@ class BlockSizeAutoConfig:
 
 _SECTION_TYPES: dict[str, type] = {"hot": HotConfig, "warm": WarmConfig, "cold": ColdConfig,
                                    "scheduler": SchedulerConfig, "metrics": MetricsConfig, "remote": RemoteConfig,
-                                   "copies": CopiesConfig, "compression": CompressionConfig}
+                                   "copies": CopiesConfig, "compression": CompressionConfig,
+                                   "attention": AttentionConfig}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +109,7 @@ class Config:
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     copies: CopiesConfig = field(default_factory=CopiesConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)  # the quality floor (auto, checks)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)  # sampled attention mass, sparse reads
     block_size_spec: int | str = field(init=False)  # 16 or "auto": what the config asked for
 
     def __post_init__(self) -> None:

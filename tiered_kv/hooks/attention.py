@@ -35,6 +35,7 @@ def exact_attention(module, query, key, value, attention_mask, **kwargs):
         return rows.attend(module, query, **kwargs), None
     if getattr(expected_plans, "plan", None) is not None:  # (a paged step's: see the module docstring)
         _missing_plan(module)
+    _observe(module, query, key, kwargs.get("scaling"))
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -46,10 +47,19 @@ def merge_attention(module, query, key, value, attention_mask, scaling=None, dro
     if plan is None:
         if getattr(expected_plans, "plan", None) is not None:
             _missing_plan(module)
+        _observe(module, query, key, scaling)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return plan.attend(module, query, attention_mask, scale), None
+
+
+def _observe(module, query, key, scaling) -> None:
+    """A sampled step's layer (bank/attention_stats.py) measures its attention mass per block."""
+    probe = getattr(expected_plans, "probe", None)
+    layer = getattr(module, "layer_idx", None)
+    if probe is not None and probe.wants(layer) and key.shape[0] == 1 and key.shape[-2] == probe.num_tokens:
+        probe.observe(layer, query, key, scaling if scaling is not None else query.shape[-1] ** -0.5)
 
 
 def _missing_plan(module) -> None:

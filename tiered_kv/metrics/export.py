@@ -105,6 +105,10 @@ def _gauges(stores: list):
     agreement = GaugeMetricFamily(PREFIX + "compression_agreement_ratio", "Next-token agreement of a compression "
                                   "mode with the uncompressed cache, measured on the store's model (compression/"
                                   "auto.py; the lowest of the stores)", labels=["mode"])
+    attention = GaugeMetricFamily(PREFIX + "attention_mass_share", "Share of the attention mass of the latest "
+                                  "sampled decode step each tier served (bank/attention_stats.py; the stores' mean)",
+                                  labels=["tier"])
+    shares: dict[str, list[float]] = {}
     lowest: dict[str, float] = {}
     totals = {name: [0, 0, 0, 0] for name in TIER_NAMES}
     link, chats = 0.0, 0
@@ -121,6 +125,9 @@ def _gauges(stores: list):
                 row[3] += pool.num_slots * block_bytes
         link = max(link, float(store.link_monitor.saturation()))
         chats += len(store.access_log.chats)
+        placement = getattr(store, "placement", None)
+        for tier, share in (getattr(placement, "attention_shares", None) or {}).items():
+            shares.setdefault(tier, []).append(share)
         for mode, value in store.compression.measured.items():
             lowest[mode] = min(value, lowest.get(mode, value))
     for name, (ub, cb, uB, cB) in totals.items():
@@ -133,7 +140,10 @@ def _gauges(stores: list):
     num_chats.add_metric([], chats)
     for mode, value in sorted(lowest.items()):
         agreement.add_metric([mode], value)
-    yield from (used_blocks, capacity_blocks, used_bytes, capacity_bytes, saturation, num_stores, num_chats, agreement)
+    for tier, values in sorted(shares.items()):
+        attention.add_metric([tier], sum(values) / len(values))
+    yield from (used_blocks, capacity_blocks, used_bytes, capacity_bytes, saturation, num_stores, num_chats, agreement,
+                attention)
 
 
 def _registry(stores) -> CollectorRegistry:

@@ -333,13 +333,18 @@ class AccessLog:
     def cost_sensitivity(self, ids) -> np.ndarray:
         return self._take("cs", ids, self.default_cs)
 
+    def record_attention(self, ids, masses, decay: float) -> None:  # a sampled step's mass per block (access_rows)
+        self._rows.note_attention(_as_ids(ids), np.asarray(masses, dtype=np.float64), decay)
+
+    def attention_mass(self, ids) -> np.ndarray:
+        return self._take("attention", ids, 0.0)
+
     def chat_ali(self, owner: int) -> float:
         """The share of the window's store steps that were this chat's."""
         return self._owner_window_steps.get(owner, 0) / self.steps_in_window
 
 
-def _as_ids(block_ids) -> np.ndarray:
-    """Block ids as a new int64 array (of any iterable; an array is copied, not kept)."""
+def _as_ids(block_ids) -> np.ndarray:  # block ids as a new int64 array (of any iterable; an array is copied)
     if isinstance(block_ids, np.ndarray):
         return np.array(block_ids, dtype=np.int64).reshape(-1)
     return np.fromiter(block_ids, dtype=np.int64)

@@ -73,7 +73,7 @@ class BlockRows:
         i8, f8 = np.int64, np.float64
         self.defaults = {"last_read": (-1, i8), "first_read": (-1, i8), "num_reads": (0.0, f8),
                          "reads_turn": (0.0, f8), "window_reads": (0, i8), "cs": (default_cs, f8),
-                         "heat": (-np.inf, f8), "block_id": (-1, i8),
+                         "heat": (-np.inf, f8), "block_id": (-1, i8), "attention": (0.0, f8), "attention_n": (0, i8),
                          "claim": (-1, i8), "shared": (0, i8)}  # claim: a lane's index; shared: lanes reading it
         for name, (default, dtype) in self.defaults.items():
             setattr(self, name, np.full(0, default, dtype=dtype))
@@ -83,6 +83,16 @@ class BlockRows:
         self._keys = np.zeros(0, dtype=np.int64)  # sorted ids (live, and removed ones as tombstones)
         self._vals = np.zeros(0, dtype=np.int64)  # their rows (-1: a tombstone)
         self._num_keys = self._dead = 0
+
+    def note_attention(self, ids: np.ndarray, masses: np.ndarray, decay: float) -> None:
+        """Each block's share of its chat's attention on a sampled step: the mean of its samples
+        while it has few, then an average whose past weighs `decay` (a block's first sample is
+        taken as it is, not averaged with a zero)."""
+        rows = self.rows_for(ids)
+        count = self.attention_n[rows] + 1
+        weight = np.maximum(1.0 - decay, 1.0 / count)
+        self.attention[rows] += (masses - self.attention[rows]) * weight
+        self.attention_n[rows] = count
 
     # ---- id -> row -----------------------------------------------------------------------------
     def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -55,7 +55,7 @@ class MemScheduler:
         self.locality = Locality(self.access_log, settings)
 
     def _simulation(self, index, free_slots, capacities, movable) -> Simulation:
-        policy = policy_for(self.policy, index, self.access_log, self.cs_weight)
+        policy = policy_for(self.policy, index, self.access_log, self.cs_weight, self.settings.attention_weight)
         return Simulation(index, free_slots, capacities, movable, VictimOrder(policy, index, self.access_log))
 
     @property

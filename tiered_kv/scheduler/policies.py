@@ -50,16 +50,20 @@ class _PolicyBase:
     """The signals every policy reads: the index (where blocks are, since when), the access log
     and the weight of a block's cost sensitivity."""
 
-    def __init__(self, index: IndexView, log, cs_weight: float):
-        self.index, self.log, self.cs_weight = index, log, cs_weight
+    def __init__(self, index: IndexView, log, cs_weight: float, attention_weight: float = 0.0):
+        self.index, self.log, self.cs_weight, self.attention_weight = index, log, cs_weight, attention_weight
 
     def _recency(self, ids: np.ndarray) -> np.ndarray:
         """The last store step that read each block or brought it into its tier."""
         return np.maximum(self.log.last_read_step(ids), np.asarray(self.index.arrival_steps(ids), dtype=np.int64))
 
     def _with_cs(self, base: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """`base` plus the CS bonus in store steps (`cs_weight * ali_window * CS`)."""
-        return base + self.cs_weight * self.log.window_steps * self.log.cost_sensitivity(ids)
+        """`base` plus the CS bonus in store steps (`cs_weight * ali_window * CS`) and the attention
+        bonus (`attention_weight * ali_window * mass`, mass the block's share of its chat's attention)."""
+        values = base + self.cs_weight * self.log.window_steps * self.log.cost_sensitivity(ids)
+        if self.attention_weight:
+            values = values + self.attention_weight * self.log.window_steps * self.log.attention_mass(ids)
+        return values
 
     def tiebreak(self, ids: np.ndarray) -> np.ndarray | None:
         return None
@@ -93,7 +97,10 @@ class TurnHeat(_PolicyBase):
 
     def values(self, ids: np.ndarray) -> np.ndarray:
         if self.log.heat_predicts_better:
-            return self._heat(ids) + self.cs_weight * self.log.cost_sensitivity(ids)
+            values = self._heat(ids) + self.cs_weight * self.log.cost_sensitivity(ids)
+            if self.attention_weight:
+                values = values + self.attention_weight * self.log.attention_mass(ids)
+            return values
         return self._with_cs(self._recency(ids), ids)  # while recency predicts turns better: LRU, ties by heat
 
     def tiebreak(self, ids: np.ndarray) -> np.ndarray:
@@ -119,10 +126,10 @@ class TurnHeat(_PolicyBase):
 POLICIES: dict[str, type[_PolicyBase]] = {"lru": Lru, "lfu": Lfu, "fifo": Fifo, "turns": TurnHeat}
 
 
-def policy_for(name: str, index: IndexView, log, cs_weight: float) -> Policy:
+def policy_for(name: str, index: IndexView, log, cs_weight: float, attention_weight: float = 0.0) -> Policy:
     """The policy called `name` (a SchedulerConfig's `policy`, or a former name of one) over this
     index and log."""
-    return POLICIES[POLICY_ALIASES.get(name, name)](index, log, cs_weight)
+    return POLICIES[POLICY_ALIASES.get(name, name)](index, log, cs_weight, attention_weight)
 
 
 class VictimOrder:

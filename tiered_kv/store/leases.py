@@ -144,6 +144,12 @@ class StepLease:
             lease_row, mapper = self.rows[row], self._host.mapper
             return mapper.read_layer(layer, lease_row.runs(mapper)[1], lease_row.num_tokens, out)
 
+    def read_runs(self, layer: int, runs, num_tokens: int) -> torch.Tensor:
+        """`[2, H, num_tokens, D]` of tokens mapped by the caller (a sparse step's chosen blocks:
+        bank/sparse.py), through the same checks as read_layer."""
+        with self._marking_corrupt():
+            return self._host.mapper.read_layer(layer, runs, num_tokens)
+
     # ---- the end ----------------------------------------------------------------------------------
     def commit(self) -> None:
         """The step happened: its blocks stay with their bank, and are unpinned."""

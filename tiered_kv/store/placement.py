@@ -35,6 +35,14 @@ class Placement:
         self.scheduler, self.access_log, self.compaction = scheduler, access_log, compaction
         self.demand = demand
         self.mover = mover  # None: scheduler.background is off
+        self.attention_shares: dict[str, float] = {}  # share of the sampled attention mass each tier served (latest)
+
+    def record_attention(self, block_ids, masses, decay: float, tier_shares: dict[str, float]) -> None:
+        """A sampled step's attention mass per block (bank/attention_stats.py), for the policies'
+        `attention_weight`; `tier_shares` is where that mass lay (the metrics' gauge)."""
+        with self.lock:
+            self.access_log.record_attention(block_ids, masses, decay)
+            self.attention_shares = dict(tier_shares)
 
     def promote(self, block_ids: list[int], owner: int | None = None) -> list[int]:
         """Bring blocks up (hot first), now: the caller waits. Returns ids found corrupt on the

@@ -191,6 +191,7 @@ def _measure(model, bank: CacheBank, ids: list[int], new_tokens: int, device_all
         layout=LayoutFigures(float(stats["fragmentation"]), float(stats["contiguity"])),
         settings=_settings(cfg),
         compression=stats["compression"],
+        attention=stats["attention"],
     )
 
 

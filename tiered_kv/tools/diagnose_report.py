@@ -159,6 +159,7 @@ class Report:
     thresholds: dict = field(default_factory=dict)  # the flags' own thresholds (diagnose_flags.Thresholds)
     flags: list[Flag] = field(default_factory=list)
     compression: dict = field(default_factory=dict)  # stats()["compression"] (compression/auto.py)
+    attention: dict = field(default_factory=dict)  # stats()["attention"] (bank/attention_steps.py)
 
     def totals(self) -> dict:
         m, kv = self.model, self.kv
@@ -203,6 +204,20 @@ def compression_text(c: dict) -> str:
                          for mode, value in c.get("measured", {}).items()) or "nothing"
     return (f"compression: {tiers}; quality_floor {100 * c.get('quality_floor', 0):.2f}% next-token agreement; "
             f"measured {measured} (source {c.get('source')}, {c.get('calibration_s', 0.0):.2f} s)")
+
+
+def attention_text(a: dict) -> str:
+    """One line: how many decode steps were sampled, the share of their attention each tier served."""
+    shares = a.get("mass_share_by_tier") or {}
+    served = ", ".join(f"{tier} {100 * share:.1f}%" for tier, share in shares.items()) or "nothing sampled yet"
+    line = (f"attention: {a.get('sampled_steps', 0)} of {a.get('decode_steps', 0)} decode steps sampled "
+            f"(attention.sample_steps {a.get('sample_steps')}); share of their attention mass served by {served}")
+    sparse = a.get("sparse")
+    if sparse:
+        read = sparse.get("read_share_below_hot")
+        line += (f"; sparse reads (budget {sparse['budget']}): {sparse['steps']} steps read "
+                 f"{'-' if read is None else f'{100 * read:.1f}%'} of the blocks below hot")
+    return line
 
 
 def memory_rows(report: Report) -> list[tuple[str, int | None, str]]:
@@ -278,6 +293,7 @@ def report_text(report: Report) -> str:
         f"{report.settings['scheduler.max_fragmentation']}), this prompt's contiguity {layout.contiguity:.2f} "
         f"(scheduler.min_contiguity {report.settings['scheduler.min_contiguity']})",
         *([compression_text(report.compression)] if report.compression else []),
+        *([attention_text(report.attention)] if report.attention else []),
         "",
     ]
     if not report.flags:
