@@ -158,11 +158,13 @@ class SparseStep:
         bs, row = self.summaries.block_size, self.row
         positions = (blocks[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)
         positions = positions[positions < self.num_tokens]
-        if self.slab_block_positions is not None:
-            on_slab = torch.from_numpy(self.slab_block_positions[positions // bs] * bs + positions % bs).to(query.device)
+        if self.slab_block_positions is not None:  # whole blocks (bs x D elements each), the tail's extra cut off
+            slots = torch.from_numpy(self.slab_block_positions[blocks]).to(query.device)
             flat = self.device_slab.flat
-            keys = flat[2 * layer].index_select(1, on_slab).unsqueeze(0)
-            values = flat[2 * layer + 1].index_select(1, on_slab).unsqueeze(0)
+            heads, dim = flat.shape[1], flat.shape[3]
+            by_block = flat.view(flat.shape[0], heads, -1, bs * dim)
+            keys = by_block[2 * layer].index_select(1, slots).view(1, heads, -1, dim)[:, :, :len(positions)]
+            values = by_block[2 * layer + 1].index_select(1, slots).view(1, heads, -1, dim)[:, :, :len(positions)]
         else:
             token_blocks = positions // bs
             runs = self.mapper.group_by_tier(np.asarray(row.tiers)[token_blocks], np.asarray(row.slots)[token_blocks],
