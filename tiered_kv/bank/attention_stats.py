@@ -121,13 +121,8 @@ class AttentionSampler:
                 "mass_share_by_tier": dict(self.tier_shares) if self.sampled_steps else {}}
 
 
-def current_probe() -> StepProbe | None:
-    """The sampled step's probe on this thread, or None."""
-    return getattr(expected_plans, "probe", None)
-
-
 def set_probe(probe: StepProbe | None) -> None:
     expected_plans.probe = probe
 
 
-__all__ = ["AttentionSampler", "StepProbe", "current_probe", "set_probe", "sampled_layers"]
+__all__ = ["AttentionSampler", "StepProbe", "set_probe", "sampled_layers"]

@@ -37,40 +37,42 @@ class AttentionSteps:
         if plan.is_grouped or step.num_rows != 1 or step.compiled:
             return
         row = plan.lease.rows[0]
+        table, tiers = list(row.table), np.asarray(row.tiers)
         probe = None
         if step.num_new_tokens == 1 and mode is not None and step.forward_seen:
             if self.sampler is None:
                 self.sampler = AttentionSampler(self.config, self.bank.store, self.bank.num_layers,
                                                 self.bank.config.block_size)
-            probe = self.sampler.probe_for(list(row.table), np.asarray(row.tiers), row.num_tokens)
+            probe = self.sampler.probe_for(table, tiers, row.num_tokens)
             set_probe(probe)
             plan.probe = probe
         if self.summaries is None or row.skipped_new_tokens:
             return
-        self._summarise(plan, row)
-        tiers = np.asarray(row.tiers)
-        if step.num_new_tokens == 1 and mode == "merge" and step.forward_seen and not self._pending[2] \
+        whole = self._summarise(row, table)
+        layer = plan.layer
+        if step.num_new_tokens == 1 and mode == "merge" and step.forward_seen and not whole \
                 and bool((tiers != HOT).any()) and not bool((tiers == DROPPED).any()):
             plan.sparse = SparseStep(self.summaries, self.config.sparse, self.bank.store.opening.mapper, row,
                                      self.sparse_report, probe, self.bank.store.device_slab)
-            plan.read_kind, plan.layer = "sparse", _summarising(self, plan._paged_layer, row)
+            plan.read_kind, layer = "sparse", plan._paged_layer
             expect_paged(plan)  # attention without the plan would see only the new token: it raises
             step.expects_paged = True
+        plan.layer = _summarising(self, layer, row)
 
-    def _summarise(self, plan, row) -> None:
-        """Every layer's new keys go into the summaries; when some earlier block has none (restored
-        by attach), a step that reads the whole row summarises every block from what it read."""
+    def _summarise(self, row, table: list[int]) -> bool:
+        """The step's summary writes (`_pending`); True when some earlier block has no summary
+        (restored by attach, or its block changed): then a step that reads the whole row summarises
+        every block from what it read."""
         summaries, bs = self.summaries, self.bank.config.block_size
         start, end = row.write_start, row.write_end
-        table, known = list(row.table), self._known_table
-        changed = [i for i, (a, b) in enumerate(zip(table, known)) if a != b]  # (attach, reset, another chat's rows)
+        changed = [i for i, (a, b) in enumerate(zip(table, self._known_table)) if a != b]  # (attach, another chat's rows)
         if changed:
             summaries.forget(changed)
         self._pending_table = table
         first = start // bs
         whole = not summaries.complete(first) or (start % bs != 0 and not summaries.complete(first + 1))
         self._pending = (start, end, whole)
-        plan.layer = _summarising(self, plan.layer, row)
+        return whole
 
     def committed(self) -> None:
         set_probe(None)

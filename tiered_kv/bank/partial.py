@@ -44,10 +44,11 @@ def attend_split(plan, module, query: torch.Tensor, attention_mask, scale: float
         plan.mask_visible = _sees_every_key(attention_mask)
         plan.mask_checked = attention_mask
     parts = plan.split_parts
-    if plan.probe is not None and plan.probe.wants(layer):  # a sampled step (attention_stats.py)
-        plan.probe.observe(layer, query, torch.cat([k[layer] for k, _ in parts], dim=2), scale)
+    sampled = plan.probe is not None and plan.probe.wants(layer)  # a sampled step (attention_stats.py)
+    keys = torch.cat([k[layer] for k, _ in parts], dim=2) if sampled or not plan.mask_visible else None
+    if sampled:
+        plan.probe.observe(layer, query, keys, scale)
     if not plan.mask_visible:
-        keys = torch.cat([k[layer] for k, _ in parts], dim=2)
         values = torch.cat([v[layer] for _, v in parts], dim=2)
         return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scale)[0]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

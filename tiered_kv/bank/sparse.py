@@ -29,6 +29,10 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..blocks import HOT
+from .partial import _sees_every_key
+
+
+_UNSEEN = object()
 
 
 class KeySummaries:
@@ -134,6 +138,7 @@ class SparseStep:
         self.keep = sparse_config.blocks(int((~self.hot).sum()))
         self.reads_all = self.keep >= len(self.candidates)  # (a budget of every block below hot)
         self._candidates_t: torch.Tensor | None = None
+        self._mask_checked, self._mask_visible = _UNSEEN, True
         report["steps"] += 1
 
     def selected(self, layer: int, query: torch.Tensor) -> np.ndarray:
@@ -154,7 +159,9 @@ class SparseStep:
 
     def attend(self, plan, module, query: torch.Tensor, attention_mask, scale: float) -> torch.Tensor:
         layer = module.layer_idx
-        blocks = self.selected(layer, query) if _sees_every_key(attention_mask) else np.arange(self.num_blocks)
+        if self._mask_checked is not attention_mask:  # (the step's one mask: looked at once, as partial.py does)
+            self._mask_visible, self._mask_checked = _sees_every_key(attention_mask), attention_mask
+        blocks = self.selected(layer, query) if self._mask_visible else np.arange(self.num_blocks)
         bs, row = self.summaries.block_size, self.row
         positions = (blocks[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)
         positions = positions[positions < self.num_tokens]
@@ -179,11 +186,6 @@ class SparseStep:
         mask = None if len(blocks) < self.num_blocks or attention_mask is None else attention_mask[..., :len(positions)]
         return sdpa_attention_forward(module, query, keys, values, mask, scaling=scale)[0]
 
-
-def _sees_every_key(attention_mask) -> bool:
-    if attention_mask is None:
-        return True
-    return bool(attention_mask.all()) if attention_mask.dtype == torch.bool else bool((attention_mask == 0).all())
 
 
 __all__ = ["KeySummaries", "SparseStep"]

@@ -35,7 +35,8 @@ def exact_attention(module, query, key, value, attention_mask, **kwargs):
         return rows.attend(module, query, **kwargs), None
     if getattr(expected_plans, "plan", None) is not None:  # (a paged step's: see the module docstring)
         _missing_plan(module)
-    _observe(module, query, key, kwargs.get("scaling"))
+    if getattr(expected_plans, "probe", None) is not None:  # a sampled step (no call a layer otherwise)
+        _observe(module, query, key, kwargs.get("scaling"))
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -47,7 +48,8 @@ def merge_attention(module, query, key, value, attention_mask, scaling=None, dro
     if plan is None:
         if getattr(expected_plans, "plan", None) is not None:
             _missing_plan(module)
-        _observe(module, query, key, scaling)
+        if getattr(expected_plans, "probe", None) is not None:
+            _observe(module, query, key, scaling)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -56,9 +58,8 @@ def merge_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 def _observe(module, query, key, scaling) -> None:
     """A sampled step's layer (bank/attention_stats.py) measures its attention mass per block."""
-    probe = getattr(expected_plans, "probe", None)
-    layer = getattr(module, "layer_idx", None)
-    if probe is not None and probe.wants(layer) and key.shape[0] == 1 and key.shape[-2] == probe.num_tokens:
+    probe, layer = expected_plans.probe, getattr(module, "layer_idx", None)
+    if probe.wants(layer) and key.shape[0] == 1 and key.shape[-2] == probe.num_tokens:
         probe.observe(layer, query, key, scaling if scaling is not None else query.shape[-1] ** -0.5)
 
 
