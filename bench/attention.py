@@ -14,6 +14,9 @@ what sampling the attention costs.
            (attention sampled on a quarter of the steps in both), each answer teacher-forced: agreement
            with the reference, the share of blocks below hot read per step (target: attention <= 0.6x
            of lru's bytes, agreement no lower) and the share of the sampled attention mass hot served
+  oracle   the quality section with each block ranked by the attention mass it really draws (softmax of
+           q.K over every key, summed per block, the largest over heads) instead of the key-summary bound:
+           what the best possible choice of blocks at this budget gives, the bound's ceiling
   cost     all-hot decode with attention sampling (the defaults) against sampling off, interleaved
            rounds (target: <= 2% slower)
 
@@ -99,20 +102,46 @@ class _Ids:
         return type("Out", (), {"input_ids": tokens_of(self.model, None, text, self.count, seed=len(text))})()
 
 
-def section_quality(model, tokenizer, args) -> dict:
+def section_quality(model, tokenizer, args, tag: str = "quality") -> dict:
     out = {}
     for name in TEXTS:
         tok = tokenizer if tokenizer is not None else _Ids(model, args.context + args.positions + 1)
         report = measure_sparse(model, tok, text_of(name) if tokenizer is not None else name, args.budget,
                                 args.context, args.positions, args.hot_share, text_name=name)
         out[name] = {**report.to_dict(), "speedup_vs_exact": report.step_ms_exact / report.step_ms_sparse}
-        print(f"[quality] {name}: {json.dumps(out[name])}", flush=True)
+        print(f"[{tag}] {name}: {json.dumps(out[name])}", flush=True)
     worst = min(r["argmax_agreement"] for r in out.values())
     out["summary"] = {"worst_agreement": worst, "worst_ppl_ratio": max(r["perplexity_ratio"] for r in out.values()
                                                                        if isinstance(r, dict) and "text" in r),
                       "max_read_share": max(r["read_share_below_hot"] for r in out.values() if "text" in r),
                       "min_speedup": min(r["speedup_vs_exact"] for r in out.values() if "text" in r)}
     return out
+
+
+def _true_mass(step, layer: int, query: torch.Tensor) -> torch.Tensor:
+    """An oracle SparseStep.scores: each candidate block's attention mass for this layer's queries."""
+    if step.device_slab is None:
+        raise SystemExit("the oracle section reads every key from the device slab: paged, uncompressed warm only")
+    bs, flat = step.summaries.block_size, step.device_slab.flat
+    heads, dim = flat.shape[1], flat.shape[3]
+    slots = torch.from_numpy(step.slab_block_positions).to(query.device)
+    keys = flat.view(flat.shape[0], heads, -1, bs * dim)[2 * layer].index_select(1, slots).view(heads, -1, dim).float()
+    q = query[0, :, -1, :].float().view(heads, -1, dim)
+    weights = torch.softmax(torch.einsum("hgd,htd->hgt", q, keys[:, :step.num_tokens]) / dim ** 0.5, dim=-1)
+    padded = torch.nn.functional.pad(weights, (0, step.num_blocks * bs - step.num_tokens))
+    mass = padded.view(heads, weights.shape[1], step.num_blocks, bs).sum(-1).amax(dim=(0, 1))
+    return mass[torch.from_numpy(step.candidates).to(query.device)]
+
+
+def section_oracle(model, tokenizer, args) -> dict:
+    from tiered_kv.bank.sparse import SparseStep
+
+    bound = SparseStep.scores
+    SparseStep.scores = _true_mass
+    try:
+        return section_quality(model, tokenizer, args, tag="oracle")
+    finally:
+        SparseStep.scores = bound
 
 
 def _trace_config(args, total_blocks: int, workdir: str, sparse: bool, weight: float) -> dict:
@@ -238,6 +267,8 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="tiered_kv-attention-") as workdir:
         if "quality" in args.sections:
             result["quality"] = section_quality(model, tokenizer, args)
+        if "oracle" in args.sections:
+            result["oracle"] = section_oracle(model, tokenizer, args)
         if "trace" in args.sections:
             result["trace"] = section_trace(model, tokenizer, args, workdir)
         if "cost" in args.sections:

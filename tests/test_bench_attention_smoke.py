@@ -27,3 +27,18 @@ def test_attention_bench_smoke(tmp_path):
     assert trace["bytes_ratio_attention_vs_lru"] > 0
     cost = result["cost"]
     assert cost["step_ms_off"] > 0 and cost["step_ms_on"] > 0 and len(cost["rounds"]) == 2
+
+
+def test_attention_bench_oracle_ranks_by_true_mass(tmp_path):
+    """The oracle section swaps the bound for the true attention mass and puts the bound back after."""
+    from tiered_kv.bank.sparse import SparseStep
+
+    spec = importlib.util.spec_from_file_location("bench_attention", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bound = SparseStep.scores
+    result = module.main(["--tiny", "--sections", "oracle"])
+    assert SparseStep.scores is bound
+    for name in ("prose", "dialogue", "code", "docs"):
+        report = result["oracle"][name]
+        assert 0 < report["read_share_below_hot"] < 1 and 0 <= report["argmax_agreement"] <= 1

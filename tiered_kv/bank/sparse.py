@@ -145,6 +145,13 @@ class SparseStep:
         """The blocks this layer reads, in position order."""
         if self.reads_all:
             return np.arange(self.num_blocks)
+        top = torch.topk(self.scores(layer, query), self.keep).indices.cpu().numpy()
+        chosen = self.forced | self.hot
+        chosen[self.candidates[top]] = True
+        return np.flatnonzero(chosen)
+
+    def scores(self, layer: int, query: torch.Tensor) -> torch.Tensor:
+        """Per candidate block, the bound on its best query head's score (higher: read first)."""
         if self._candidates_t is None or self._candidates_t.device != query.device:
             self._candidates_t = torch.from_numpy(self.candidates).to(query.device)
         low = self.summaries.low[layer].index_select(0, self._candidates_t).transpose(0, 1)  # [H, c, D]
@@ -152,10 +159,7 @@ class SparseStep:
         q = query[0, :, -1, :].float().view(low.shape[0], -1, low.shape[2]).transpose(1, 2)  # [H, D, g]
         # sum_c max(q_c lo_c, q_c hi_c) = q+ . hi + q- . lo: two small matmuls per layer
         bound = torch.matmul(high, q.clamp(min=0)).add_(torch.matmul(low, q.clamp(max=0)))  # [H, c, g]
-        top = torch.topk(bound.amax(dim=2).amax(dim=0), self.keep).indices.cpu().numpy()
-        chosen = self.forced | self.hot
-        chosen[self.candidates[top]] = True
-        return np.flatnonzero(chosen)
+        return bound.amax(dim=2).amax(dim=0)
 
     def attend(self, plan, module, query: torch.Tensor, attention_mask, scale: float) -> torch.Tensor:
         layer = module.layer_idx
