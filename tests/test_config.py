@@ -326,3 +326,24 @@ def test_copies_settings_load_and_round_trip():
     cfg = load_config({"copies": {"engine": "thread", "delay_us": 300}})
     assert (cfg.copies.engine, cfg.copies.delay_us) == ("thread", 300)
     assert load_config(cfg.to_dict()) == cfg
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_an_error_not_the_last_one_winning(tmp_path):
+    """YAML parsers keep the last of two equal keys; a config that says a thing twice is refused."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("hot:\n  capacity: 64MiB\nwarm:\n  capacity: 1MiB\nhot:\n  device: cpu\n")
+    with pytest.raises(ConfigError, match=r"'hot'.*twice.*line 5"):
+        load_config(str(path))
+    path.write_text("scheduler:\n  cs_weight: 0.5\n  cs_weight: 0.2\n")
+    with pytest.raises(ConfigError, match=r"'scheduler.cs_weight'.*twice"):
+        load_config(str(path))
+
+
+def test_the_shipped_configs_say_each_key_once(monkeypatch):
+    from tiered_kv.config import default_config_path
+
+    monkeypatch.setenv("TKV_REDIS_PASSWORD", "unused")  # configs/remote.yaml names it
+    shipped = sorted(default_config_path().parent.glob("*.yaml")) + sorted((REPO / "configs").glob("*.yaml"))
+    assert len(shipped) >= 3
+    for path in shipped:
+        load_config(str(path))

@@ -80,6 +80,38 @@ def _config_from_mapping(data: Any) -> Config:
     return Config(**kwargs)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a mapping key given twice (YAML parsers keep the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                where = ".".join(self._path(key_node) + [str(key)])
+                raise ConfigError(f"config key '{where}': given twice (again at line {key_node.start_mark.line + 1}); "
+                                  "allowed: each key once per mapping (remove one of them)")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+    def _path(self, key_node) -> list[str]:
+        """The keys of the mappings enclosing `key_node` (for the error message)."""
+        path, at = [], key_node.start_mark.index
+        node = self._root
+        while isinstance(node, yaml.MappingNode):
+            inner = [(k, v) for k, v in node.value
+                     if isinstance(v, yaml.MappingNode) and v.start_mark.index <= at < v.end_mark.index]
+            if not inner:
+                break
+            k, node = inner[-1]
+            path.append(str(k.value))
+        return path
+
+    def get_single_data(self):
+        self._root = self.get_single_node()
+        return None if self._root is None else self.construct_document(self._root)
+
+
 def default_config_path() -> Path:
     """The default config packaged with tiered_kv (configs/default.yaml in a checkout links to it):
     what `tiered-kv chat` and `tiered-kv diagnose` load without --config, from any folder."""
@@ -101,7 +133,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | Config) -> Confi
     path = os.fspath(source)
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_UniqueKeyLoader)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config file: {e.strerror or e}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
