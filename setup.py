@@ -34,7 +34,11 @@ setup(
                  # `tiered-kv serve`, driven over HTTP by the real openai client
                  "starlette>=0.40", "uvicorn>=0.30", "openai>=1.40", "httpx>=0.27",
                  # LoRA adapters injected into a model (tests/test_adapters.py); never needed at run time
-                 "peft>=0.13"],
+                 "peft>=0.13",
+                 # the documentation site, built in strict mode by tests/test_docs.py
+                 "mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10"],
+        # `mkdocs build --strict` / `mkdocs serve`: the documentation site in docs/ (mkdocs.yml)
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10"],
         # `tiered-kv serve`: the OpenAI-compatible chat server
         "serve": ["starlette>=0.40", "uvicorn>=0.30"],
         # GPU extra: ~2.7 GB of CUDA libraries. Needs a CUDA build of torch installed first.

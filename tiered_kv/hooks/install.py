@@ -63,7 +63,7 @@ def install(model, bank, mode: str = "exact") -> None:
     logits bitwise equal to sdpa over a DynamicCache. The same as no hooks.
     mode="merge": on CUDA, contiguous history goes to SDPA as a strided view (no copy), and a
     decode step whose blocks lie in hot and page-locked warm runs the native paged decode kernel
-    over them where they lie; equal to exact within ~1e-6 relative, not bitwise (README,
+    over them where they lie; equal to exact within ~1e-6 relative, not bitwise (docs/guides/hooks.md,
     "Hooks"). On CPU it is exact. ("fast", a mode of earlier releases, is merge now.)
     """
     if mode in RENAMED_MODES:

@@ -5,7 +5,7 @@ path measured here). KvikioBlockIO (GPU extra; cold.backend kvikio, or auto when
 are both present: kvikio needs libcuda even in compat mode) opens the file through kvikio too, but
 reads and writes as PosixBlockIO does, into host buffers: the cold tier checks every slice's XXH3
 on the host, so a read straight into device memory (GPUDirect Storage) would need a device-side
-checksum first (README, "Not yet"). Same methods either way.
+checksum first (docs/not-yet.md). Same methods either way.
 
 A read that finds fewer bytes than asked (a truncated file) raises ShortReadError, an OSError
 like any other read failure; the cold tier turns both into CorruptBlockError for the slot.

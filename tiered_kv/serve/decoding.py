@@ -9,7 +9,7 @@ one batched forward (tiered_kv.BankBatch). The forward passes are the ones
 `model.generate(cache=bank)` runs (positions continuing the bank, `logits_to_keep=1`), and a
 `temperature: 0` pick is the argmax of generate's greedy search, so a conversation served here
 gives the tokens a local greedy generate gives (a prompt longer than one chunk, or rows batched
-with other conversations, may round differently in the last bits: README, "Serving").
+with other conversations, may round differently in the last bits: docs/guides/serving.md).
 
 A sampled pick (temperature > 0, top_p) draws from the request's own torch.Generator, seeded by
 the request's `seed` when given: concurrent requests never share or reseed a generator.
