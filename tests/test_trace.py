@@ -52,7 +52,8 @@ def _config(cold_dir) -> dict:
     # hot holds 6 blocks of 4 tokens; one turn's prompt alone is ~18 blocks: everything moves
     return {"block_size": 4, "hot": {"device": "cpu", "capacity_blocks": 6}, "warm": {"capacity_blocks": 10},
             "cold": {"capacity_blocks": 256, "path": str(cold_dir)},
-            "scheduler": {"background": False}}  # no mover: every move happens inside a step or attach()
+            "scheduler": {"background": False},  # no mover: every move happens inside a step or attach()
+            "attention": {"sample_steps": 0.5}}  # every other decode step measures its attention mass
 
 
 def _counters_now(store) -> tuple[dict, dict]:
@@ -146,6 +147,23 @@ def test_turn_lines_match_run_chat_records(chat):
                                                                     if o != name]) == \
             sum(stats["bytes_moved"][f"{name}->{o}"] for o in TIER_NAMES if o != name)
     assert trace.turns[-1]["hit_rate"]["cold"] > 0  # later turns found history in cold
+
+
+def test_turn_lines_say_where_the_sampled_attention_mass_lay(chat):
+    """Each turn line: the decode steps sampled in that turn, the bank's mass share per tier after it."""
+    turns = [json.loads(line) for line in chat["path"].read_text().splitlines() if json.loads(line)["type"] == "turn"]
+    assert len(turns) == NUM_TURNS
+    sampled = [turn["attention"]["sampled_steps"] for turn in turns]
+    # decode steps only (the first token of a turn comes from its prefill), every other one sampled
+    assert sum(sampled) == chat["records"][-1]["stats"]["attention"]["sampled_steps"] > 0
+    assert all(n == (NEW_TOKENS - 1) // 2 or n == NEW_TOKENS // 2 for n in sampled), sampled
+    for turn, record in zip(turns, chat["records"]):
+        shares = turn["attention"]["mass_share_by_tier"]
+        assert shares == record["stats"]["attention"]["mass_share_by_tier"]
+        assert set(shares) == set(TIER_NAMES) and abs(sum(shares.values()) - 1) < 1e-6
+        assert turn["attention"]["sparse_read_share_below_hot"] is None  # sparse reads are off
+    assert turns[-1]["attention"]["mass_share_by_tier"]["cold"] > 0  # history spilled to cold draws attention too
+    assert read_trace(chat["path"]).turns[0]["attention"] == turns[0]["attention"]
 
 
 def test_header_file_mode_and_flush_per_turn(chat):

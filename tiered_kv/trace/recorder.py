@@ -16,7 +16,11 @@ One JSON object per line, each with a "type" and `t_s` (seconds since the trace 
   `new_tokens`, `seq_tokens`, `num_steps`, `attach_s`, `ttft_s`, `decode_tokens_per_s`, `turn_s`,
   `turn_blocks` (history blocks the turn began needing), `hit_rate` per tier (the share of those
   found in each tier; null without history), `bytes_moved` per direction (since the previous turn
-  line; the turns' figures add up to the cumulative one).
+  line; the turns' figures add up to the cumulative one), and, when the turn's record carries the
+  bank's stats (run_chat's do), `attention`: `sampled_steps` (decode steps whose attention mass was
+  measured in this turn), `mass_share_by_tier` (the bank's decaying share of the sampled mass each
+  tier served, after the turn; {} before any sample) and `sparse_read_share_below_hot` (of the
+  blocks below hot, the share this turn's sparse steps read; null without sparse steps).
 - `end` (last line): `num_steps`, `num_turns`, `bytes_moved` (cumulative).
 
 A step costs one counter snapshot (counters.py) and one small dict; lines are serialized and
@@ -80,6 +84,7 @@ class TraceRecorder:
         self._bank = None
         self._last: Counters | None = None  # at the previous step line
         self._turn_base: Counters | None = None  # at the previous turn line (or the start)
+        self._attention_base = (0, 0, 0)  # sampled steps, blocks below hot, of them read: at the previous turn line
         self._write_error: OSError | None = None
         self.turn = 0
         self.step_in_turn = 0
@@ -158,10 +163,23 @@ class TraceRecorder:
             "hit_rate": {name: ((now.turn_blocks_by_tier[name] - base.turn_blocks_by_tier.get(name, 0)) / turn_blocks
                                 if turn_blocks else None) for name in TIER_NAMES},
             "bytes_moved": {k: v - base.bytes_moved.get(k, 0) for k, v in now.bytes_moved.items()},
+            **self._attention(record),
         })
         self._turn_base = now
         self.num_turns += 1
         self.flush()
+
+    def _attention(self, record: dict) -> dict:
+        """The turn line's `attention` object, from the bank's stats in the record (module docstring)."""
+        report = (record.get("stats") or {}).get("attention")
+        if report is None:
+            return {}
+        sparse = report.get("sparse") or {}
+        counts = (report["sampled_steps"], sparse.get("blocks_below_hot", 0), sparse.get("blocks_read_below_hot", 0))
+        sampled, below, read = (now - before for now, before in zip(counts, self._attention_base))
+        self._attention_base = counts
+        return {"attention": {"sampled_steps": sampled, "mass_share_by_tier": dict(report["mass_share_by_tier"]),
+                              "sparse_read_share_below_hot": read / below if below else None}}
 
     # ---- file ------------------------------------------------------------------------------
     def flush(self) -> None:
