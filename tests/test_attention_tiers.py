@@ -277,3 +277,44 @@ def test_a_reused_bank_never_ranks_by_another_chats_summaries(tmp_path):
         tiered_kv.hooks.uninstall(model)
         reused.close()
         fresh.close()
+
+
+def test_a_ranked_layer_over_the_device_slab_reads_nothing_back_to_the_host(tmp_path, monkeypatch):
+    """Invariant 9 on a sparse step: the blocks it reads are chosen on the device (top-k, indices,
+    gather), with no .cpu() / .item() / .tolist() / .numpy() of a tensor; they are the blocks the
+    host-side selection picks, and the tokens are those of a step that reads them the host's way."""
+    from tiered_kv.bank.sparse import SparseStep
+
+    model = tiny_model("llama")
+    config = spilled_config(tmp_path / "a", sparse={"budget": 2, "first_blocks": 1, "recent_blocks": 1})
+    ids = rand_ids(13, 60)
+    host_reads, compared = [], []
+    attend_on_slab = SparseStep._attend_on_slab
+
+    def watched(self, module, query, layer, scale):
+        compared.append(np.array_equal(self.device_blocks(layer, query).numpy(), self.selected(layer, query)))
+        with pytest.MonkeyPatch.context() as tensor_patch:
+            for name in ("cpu", "item", "tolist", "numpy"):
+                real = getattr(torch.Tensor, name)
+                tensor_patch.setattr(torch.Tensor, name, lambda t, *a, _real=real, _name=name, **k:
+                                     host_reads.append(_name) or _real(t, *a, **k))
+            return attend_on_slab(self, module, query, layer, scale)
+
+    monkeypatch.setattr(SparseStep, "_attend_on_slab", watched)
+    out, stats, _ = run(model, config, ids, 8)
+    monkeypatch.undo()
+    assert len(compared) == 7 * model.config.num_hidden_layers and all(compared) and host_reads == []
+    assert stats["hooks"]["steps_by_read"]["sparse"] == 7
+    monkeypatch.setattr(SparseStep, "_attend_on_slab", lambda *a: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(SparseStep, "attend", _host_path_attend(SparseStep.attend))
+    host_out, _, _ = run(model, spilled_config(tmp_path / "b", sparse={"budget": 2, "first_blocks": 1,
+                                                                         "recent_blocks": 1}), ids, 8)
+    assert torch.equal(out, host_out)
+
+
+def _host_path_attend(attend):
+    """SparseStep.attend as it reads without the device slab (the lease's token runs)."""
+    def host(self, plan, module, query, attention_mask, scale):
+        self.device_slab = self.slab_block_positions = None
+        return attend(self, plan, module, query, attention_mask, scale)
+    return host
