@@ -17,6 +17,8 @@ what sampling the attention costs.
   oracle   the quality section with each block ranked by the attention mass it really draws (softmax of
            q.K over every key, summed per block, the largest over heads) instead of the key-summary bound:
            what the best possible choice of blocks at this budget gives, the bound's ceiling
+  spill    the quality section's exact and sparse steps on prose with the history below hot in paged
+           warm, int8 warm, cold and int8 cold (`--spill-positions` each): where a sparse step pays
   cost     all-hot decode with attention sampling (the defaults) against sampling off, interleaved
            rounds (target: <= 2% slower)
 
@@ -60,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--answer-tokens", type=int, default=24)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cost-steps", type=int, default=20)
+    p.add_argument("--spill-positions", type=int, default=64)
     p.add_argument("--sections", default="quality,trace,cost")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -142,6 +145,22 @@ def section_oracle(model, tokenizer, args) -> dict:
         return section_quality(model, tokenizer, args, tag="oracle")
     finally:
         SparseStep.scores = bound
+
+
+SPILLS = (("warm", "none"), ("warm", "int8"), ("cold", "none"), ("cold", "int8"))
+
+
+def section_spill(model, tokenizer, args) -> dict:
+    out = {}
+    for tier, compression in SPILLS:
+        tok = tokenizer if tokenizer is not None else _Ids(model, args.context + args.spill_positions + 1)
+        report = measure_sparse(model, tok, text_of("prose") if tokenizer is not None else "prose", args.budget,
+                                args.context, args.spill_positions, args.hot_share, text_name="prose",
+                                tier=tier, compression=compression)
+        name = report.below_hot
+        out[name] = {**report.to_dict(), "speedup_vs_exact": report.step_ms_exact / report.step_ms_sparse}
+        print(f"[spill] {name}: {json.dumps(out[name])}", flush=True)
+    return out
 
 
 def _trace_config(args, total_blocks: int, workdir: str, sparse: bool, weight: float) -> dict:
@@ -269,6 +288,8 @@ def main(argv=None) -> dict:
             result["quality"] = section_quality(model, tokenizer, args)
         if "oracle" in args.sections:
             result["oracle"] = section_oracle(model, tokenizer, args)
+        if "spill" in args.sections:
+            result["spill"] = section_spill(model, tokenizer, args)
         if "trace" in args.sections:
             result["trace"] = section_trace(model, tokenizer, args, workdir)
         if "cost" in args.sections:

@@ -318,3 +318,30 @@ def _host_path_attend(attend):
         self.device_slab = self.slab_block_positions = None
         return attend(self, plan, module, query, attention_mask, scale)
     return host
+
+
+@pytest.mark.parametrize("below", ("cold", "warm-int8", "warm-records", "cold-thread"))
+def test_sparse_steps_over_history_off_the_device_slab(below, tmp_path):
+    """History below hot in cold, compressed or records-layout warm (not on the device slab): sparse
+    steps read it through the lease; a budget of every block gives an exact step's tokens."""
+    model = tiny_model("llama")
+    ids = rand_ids(14, 60)
+    engine = "thread" if below.endswith("thread") else "auto"
+
+    def config(name, **sparse):
+        c = tier_config("forces_cold" if below.startswith("cold") else "forces_warm", tmp_path / name / "cold",
+                        engine=engine, delay_us=300, warm_layout="records" if below == "warm-records" else None)
+        c["hot"]["capacity_blocks"] = 4
+        if below == "warm-int8":
+            c["warm"]["compression"] = "int8"
+        c["attention"] = {"sparse": sparse} if sparse else {}
+        return c
+
+    exact, _, _ = run(model, config("exact"), ids, 10)
+    every, stats, _ = run(model, config("every", budget=1.0), ids, 10)
+    assert torch.equal(every, exact) and stats["hooks"]["steps_by_read"]["sparse"] == 9
+    if below != "warm-int8":
+        assert torch.equal(exact, reference(model, ids, 10))
+    _, stats, _ = run(model, config("two", budget=2, first_blocks=1, recent_blocks=1), ids, 10)
+    assert stats["hooks"]["steps_by_read"]["sparse"] == 9
+    assert stats["attention"]["sparse"]["read_share_below_hot"] < 0.5

@@ -29,7 +29,7 @@ def test_attention_bench_smoke(tmp_path):
     assert cost["step_ms_off"] > 0 and cost["step_ms_on"] > 0 and len(cost["rounds"]) == 2
 
 
-def test_attention_bench_oracle_ranks_by_true_mass(tmp_path):
+def test_attention_bench_oracle_and_spill_sections(tmp_path):
     """The oracle section swaps the bound for the true attention mass and puts the bound back after."""
     from tiered_kv.bank.sparse import SparseStep
 
@@ -37,8 +37,11 @@ def test_attention_bench_oracle_ranks_by_true_mass(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     bound = SparseStep.scores
-    result = module.main(["--tiny", "--sections", "oracle"])
+    result = module.main(["--tiny", "--sections", "oracle,spill", "--spill-positions", "4"])
     assert SparseStep.scores is bound
+    assert set(result["spill"]) == {"warm", "warm int8", "cold", "cold int8"}
+    for report in result["spill"].values():
+        assert 0 < report["read_share_below_hot"] < 1 and report["speedup_vs_exact"] > 0
     for name in ("prose", "dialogue", "code", "docs"):
         report = result["oracle"][name]
         assert 0 < report["read_share_below_hot"] < 1 and 0 <= report["argmax_agreement"] <= 1

@@ -93,6 +93,14 @@ def test_cli_sparse_measures_sparse_reads_against_exact(tmp_path, capsys, smollm
                      "--json", "--no-progress"]) == 0
     (report,) = json.loads(capsys.readouterr().out)
     assert report["budget"] == 2 and report["read_share_below_hot"] < 0.5
+    assert report["below_hot"] == "warm"
+    # the history below hot in int8 cold: a budget of every block reads what an exact step reads
+    assert cli.main(["quality", "--text", str(text), "--sparse", "1.0", "--context-tokens", "256", "--positions", "4",
+                     "--tier", "cold", "--compression", "int8", "--json", "--no-progress"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["below_hot"] == "cold int8" and report["argmax_agreement"] == 1.0 and abs(report["kl_nats"]) < 1e-6
+    assert cli.main(["quality", "--text", str(text), "--sparse", "2", "--compression", "int8,fp8", "--no-progress"]) == 2
+    assert "give one mode" in capsys.readouterr().err
     for bad in ("0", "1.5", "lots"):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["quality", "--sparse", bad])

@@ -31,6 +31,7 @@ LOGGER_NAME = "tiered_kv"
 
 
 def _quality(args: argparse.Namespace) -> int:
+    from .compression import MODES
     from .tools import quality
     from .models import ModelNotFoundError, load_model
 
@@ -46,7 +47,7 @@ def _quality(args: argparse.Namespace) -> int:
     reports = []
     try:
         for name, text in texts:
-            for mode in args.compression:
+            for mode in args.compression or MODES[1:]:
                 reports.append(quality.measure(model, tokenizer, text, compression=mode, tier=args.tier,
                                                num_tokens=args.tokens, chunk_tokens=args.chunk_tokens,
                                                continuation_tokens=args.continuation_tokens, text_name=name))
@@ -59,9 +60,14 @@ def _quality(args: argparse.Namespace) -> int:
 def _sparse_quality(args: argparse.Namespace, model, tokenizer, texts: list) -> int:
     from .tools import sparse_quality
 
+    modes = args.compression or ["none"]
+    if len(modes) != 1:
+        return _fail(ValueError(f"--compression {','.join(modes)} with --sparse: give one mode (the history's "
+                                "below hot), e.g. --compression int8"), EXIT_USAGE)
     try:
         reports = [sparse_quality.measure_sparse(model, tokenizer, text, args.sparse, args.context_tokens,
-                                                 args.positions, text_name=name) for name, text in texts]
+                                                 args.positions, text_name=name, tier=args.tier,
+                                                 compression=modes[0]) for name, text in texts]
     except ValueError as exc:  # a text too short for the positions asked
         return _fail(exc, EXIT_USAGE)
     print(json.dumps([r.to_dict() for r in reports], indent=2) if args.json else sparse_quality.format_sparse(reports))

@@ -165,11 +165,12 @@ def _add_quality_command(commands) -> None:
     quality.add_argument("--calibration-text", default="mixed", choices=shipped_texts(), metavar="NAME",
                          help="the shipped text `compression: auto` is calibrated on, always reported beside the "
                               f"others: {', '.join(shipped_texts())} (default: %(default)s)")
-    quality.add_argument("--compression", type=_compression_list, default=list(MODES[1:]), metavar="MODES",
+    quality.add_argument("--compression", type=_compression_list, default=None, metavar="MODES",
                          help="fp8, int8, int4 (or none, the control), comma-separated, or all (default: every "
-                              "lossy mode)")
+                              "lossy mode; with --sparse: one mode, the history's below hot, default none)")
     quality.add_argument("--tier", choices=("warm", "cold"), default="warm",
-                         help="where the compressed history lies (default: %(default)s)")
+                         help="where the compressed history lies; with --sparse, the history below hot "
+                              "(default: %(default)s)")
     quality.add_argument("--tokens", type=_positive_int, default=DEFAULT_TOKENS, metavar="N",
                          help="tokens of the text to use at most (default: %(default)s)")
     quality.add_argument("--chunk-tokens", type=_positive_int, default=DEFAULT_CHUNK_TOKENS, metavar="N",

@@ -129,9 +129,9 @@ class SparseStep:
         self.num_blocks, self.num_tokens = len(tiers), row.num_tokens
         # every block on the device slab (hot, and paged warm on a CPU): one gather of whole blocks per
         # layer; else (cold, compressed or records-layout warm) through the lease's token runs
-        self.device_slab = slab
         self.slab_block_positions = slab.block_positions(tiers, np.asarray(row.slots), row.num_tokens) \
             if slab is not None else None
+        self.device_slab = slab if self.slab_block_positions is not None else None  # (None: some block is off it)
         forced = np.zeros(len(tiers), dtype=bool)
         forced[:sparse_config.first_blocks] = True
         forced[max(0, len(tiers) - sparse_config.recent_blocks):] = True

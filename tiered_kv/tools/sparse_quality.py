@@ -45,6 +45,7 @@ class SparseReport:
     step_ms_exact: float
     step_ms_sparse: float
     placement: str = "lru"
+    below_hot: str = "warm"  # where the history below hot lay: "warm", "cold", or with its compression ("warm int8")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,14 +57,19 @@ def parse_budget(text: str) -> float | int:
     return int(value) if value.is_integer() and "." not in text else value
 
 
-def _config(budget, block_size: int, hot_blocks: int, warm_blocks: int, cold_dir: str, device: str,
-            attention_weight: float = 0.0) -> dict:
+def _config(budget, block_size: int, hot_blocks: int, below_blocks: int, cold_dir: str, device: str,
+            attention_weight: float = 0.0, tier: str = "warm", compression: str = "none") -> dict:
+    """Hot holds `hot_blocks`; the rest of the chat lies in `tier` (warm or cold), stored as `compression`."""
     attention = {"sample_steps": 0.25 if attention_weight else 0.0}
     if budget is not None:
         attention["sparse"] = {"budget": budget}
+    if tier not in ("warm", "cold"):
+        raise ValueError(f"tier {tier!r}: allowed 'warm' or 'cold' (where the history below hot lies)")
+    below = {"capacity_blocks": below_blocks, "compression": compression}
     return {"block_size": block_size,
             "hot": {"device": device, "capacity_blocks": hot_blocks, "high_watermark": 1.0, "low_watermark": 1.0},
-            "warm": {"capacity_blocks": warm_blocks}, "cold": {"capacity_blocks": 0, "path": cold_dir},
+            "warm": below if tier == "warm" else {"capacity_blocks": 0},
+            "cold": {**(below if tier == "cold" else {"capacity_blocks": 0}), "path": cold_dir},
             "scheduler": {"background": False, "attention_weight": attention_weight}, "attention": attention}
 
 
@@ -91,8 +97,10 @@ def _teacher_forced(model, banks: dict, context: torch.Tensor, fed: torch.Tensor
 
 def measure_sparse(model, tokenizer, text: str, budget, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
                    positions: int = DEFAULT_POSITIONS, hot_share: float = DEFAULT_HOT_SHARE, block_size: int = 16,
-                   text_name: str = "", attention_weight: float = 0.0) -> SparseReport:
-    """Both passes (module docstring); ValueError for a text shorter than 2 x `positions` tokens."""
+                   text_name: str = "", attention_weight: float = 0.0, tier: str = "warm",
+                   compression: str = "none") -> SparseReport:
+    """Both passes (module docstring), the history below hot in `tier` stored as `compression`;
+    ValueError for a text shorter than 2 x `positions` tokens."""
     device = str(getattr(model, "device", "cpu"))
     ids = tokenizer(text, return_tensors="pt").input_ids.to(device)
     if ids.shape[1] < 2 * positions + 1:
@@ -104,7 +112,7 @@ def measure_sparse(model, tokenizer, text: str, budget, context_tokens: int = DE
     hot_blocks = max(2, int(round(hot_share * total)))
     with tempfile.TemporaryDirectory(prefix="tiered_kv-sparse-") as cold_dir:
         banks = {name: CacheBank(model, _config(b, block_size, hot_blocks, total + 4, f"{cold_dir}/{name}", device,
-                                                attention_weight if b is not None else 0.0))
+                                                attention_weight if b is not None else 0.0, tier, compression))
                  for name, b in (("exact", None), ("sparse", budget))}
         try:
             runs = _teacher_forced(model, banks, context, fed[:, :-1])
@@ -122,7 +130,8 @@ def measure_sparse(model, tokenizer, text: str, budget, context_tokens: int = DE
                         math.exp(nll_sparse - nll_exact),
                         float((log_exact.exp() * (log_exact - log_sparse)).sum(-1).mean()),
                         float(read) if read is not None else 1.0, statistics.median(exact_s) * 1e3,
-                        statistics.median(sparse_s) * 1e3, "attention" if attention_weight else "lru")
+                        statistics.median(sparse_s) * 1e3, "attention" if attention_weight else "lru",
+                        tier if compression == "none" else f"{tier} {compression}")
 
 
 def format_sparse(reports: list[SparseReport]) -> str:
@@ -134,7 +143,7 @@ def format_sparse(reports: list[SparseReport]) -> str:
     if reports:
         r = reports[0]
         lines.append(f"{r.positions} positions after {r.context_tokens} tokens of context, hot {r.hot_blocks} blocks "
-                     "(the rest in warm), each position one decode step in the hooks' merge mode")
+                     f"(the rest in {r.below_hot}), each position one decode step in the hooks' merge mode")
     return "\n".join(lines)
 
 
