@@ -145,7 +145,6 @@ def _compression_list(text: str) -> list[str]:
 
 
 def _add_quality_command(commands) -> None:
-    from .compression import MODES
     from .config.compression import shipped_texts
     from .tools.quality import DEFAULT_CHUNK_TOKENS, DEFAULT_CONTINUATION_TOKENS, DEFAULT_TOKENS
 
