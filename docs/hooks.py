@@ -1,12 +1,32 @@
-"""MkDocs hooks: the configuration page's reference table is generated from the config schema
-(tiered_kv/config/reference.py) each time the site is built, so it cannot drift from the code."""
+"""MkDocs hooks: reference sections generated from the code each time the site is built, so they
+cannot drift from it: the configuration keys (tiered_kv/config/reference.py, from the schema) and
+every `tiered-kv` command's options (its argparse help)."""
 
-MARKER = "<!-- config-reference -->"
+import argparse
+import os
+
+CONFIG_MARKER = "<!-- config-reference -->"
+CLI_MARKER = "<!-- cli-reference -->"
+
+
+def cli_reference() -> str:
+    """Each command's `--help`, as argparse prints it (80 columns), under its own heading."""
+    from tiered_kv.cli_parser import build_parser
+
+    os.environ["COLUMNS"] = "100"
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    parts = ["### `tiered-kv`", "", "```text", parser.format_help().rstrip(), "```", ""]
+    for name, command in commands.choices.items():
+        parts += [f"### `tiered-kv {name}`", "", "```text", command.format_help().rstrip(), "```", ""]
+    return "\n".join(parts)
 
 
 def on_page_markdown(markdown, page, config, files):
-    if MARKER not in markdown:
-        return markdown
-    from tiered_kv.config.reference import markdown as reference
+    if CONFIG_MARKER in markdown:
+        from tiered_kv.config.reference import markdown as config_reference
 
-    return markdown.replace(MARKER, reference())
+        markdown = markdown.replace(CONFIG_MARKER, config_reference())
+    if CLI_MARKER in markdown:
+        markdown = markdown.replace(CLI_MARKER, cli_reference())
+    return markdown

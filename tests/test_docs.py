@@ -71,8 +71,25 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     assert "tiered_kv.CacheBank" in api and "attach" in api
     benchmarks = (site / "benchmarks" / "index.html").read_text()
     assert "Attention-aware tiers (issue 37)" in benchmarks  # bench/README.md, included whole
+    cli = (site / "cli" / "index.html").read_text()
+    for option in _cli_options():
+        assert option in cli, option
     for example in sorted((REPO / "examples").glob("*.py")):
         assert example.name in (site / "examples" / "index.html").read_text()
+
+
+def _cli_options() -> set[str]:
+    """Every `tiered-kv` command and option, from the parser itself."""
+    import argparse
+
+    from tiered_kv.cli_parser import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    out = {f"tiered-kv {name}" for name in commands.choices}
+    for command in commands.choices.values():
+        out |= {flag for action in command._actions for flag in action.option_strings if flag.startswith("--")}
+    return out
 
 
 def _setup_commands() -> dict[str, str]:
