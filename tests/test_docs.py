@@ -120,3 +120,15 @@ def test_every_docs_page_is_in_the_nav_and_every_readme_link_resolves():
     for target in re.findall(r"\]\(([^)#]+)\)", readme):
         if not target.startswith("http"):
             assert (REPO / target).exists(), target
+
+
+def test_troubleshooting_names_every_error_class():
+    import inspect
+
+    from tiered_kv import errors
+
+    page = (REPO / "docs" / "troubleshooting.md").read_text()
+    classes = [name for name, value in vars(errors).items() if inspect.isclass(value) and issubclass(value, Exception)]
+    assert len(classes) >= 8
+    for name in classes:
+        assert f"`{name}`" in page or f"`tiered_kv.{name}`" in page, name
