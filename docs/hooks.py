@@ -10,15 +10,22 @@ CLI_MARKER = "<!-- cli-reference -->"
 
 
 def cli_reference() -> str:
-    """Each command's `--help`, as argparse prints it (80 columns), under its own heading."""
+    """Each command's `--help`, as argparse prints it at 100 columns, under its own heading."""
     from tiered_kv.cli_parser import build_parser
 
-    os.environ["COLUMNS"] = "100"
-    parser = build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    parts = ["### `tiered-kv`", "", "```text", parser.format_help().rstrip(), "```", ""]
-    for name, command in commands.choices.items():
-        parts += [f"### `tiered-kv {name}`", "", "```text", command.format_help().rstrip(), "```", ""]
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"  # (argparse wraps at the terminal's width: fixed here, put back after)
+    try:
+        parser = build_parser()
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parts = ["### `tiered-kv`", "", "```text", parser.format_help().rstrip(), "```", ""]
+        for name, command in commands.choices.items():
+            parts += [f"### `tiered-kv {name}`", "", "```text", command.format_help().rstrip(), "```", ""]
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     return "\n".join(parts)
 
 

@@ -17,7 +17,8 @@ model, tokenizer = load_model()
 stop_ids = {tokenizer.eos_token_id}
 with tempfile.TemporaryDirectory() as cold_dir:
     # hot holds 4 blocks (64 tokens): the history soon lives in warm, and comes back for each turn
-    config = tiered_kv.load_config({"hot": {"capacity_blocks": 4}, "cold": {"path": cold_dir}})
+    config = tiered_kv.load_config({"hot": {"capacity_blocks": 4}, "warm": {"capacity": "32MiB"},
+                                    "cold": {"path": cold_dir, "capacity": "128MiB"}})
     bank = tiered_kv.CacheBank(model, config)
     seen: list[int] = []  # every token the model has seen: never re-tokenize the history
     for turn, message in enumerate(MESSAGES):
@@ -27,7 +28,7 @@ with tempfile.TemporaryDirectory() as cold_dir:
         out = model.generate(ids, cache=bank, attention_mask=torch.ones_like(ids), max_new_tokens=32,
                              do_sample=False)
         reply = out[0, ids.shape[1]:].tolist()
-        seen += reply + reply_closing_ids(tokenizer, reply, stop_ids)
+        seen += reply + reply_closing_ids(tokenizer, reply, stop_ids)  # the template's end of a reply
         tiers = {tier: use["used_blocks"] for tier, use in bank.stats()["tiers"].items()}
         print(f"turn {turn + 1}: computed {ids.shape[1] - reused} of {ids.shape[1]} prompt tokens, "
               f"blocks per tier {tiers}")

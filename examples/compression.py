@@ -18,7 +18,7 @@ results = {}
 for mode in ("none", "int8"):
     with tempfile.TemporaryDirectory() as cold_dir:
         # 2 hot blocks: nearly all of the chat is read back from warm, packed or not
-        config = tiered_kv.load_config({"hot": {"capacity_blocks": 2}, "cold": {"path": cold_dir},
+        config = tiered_kv.load_config({"hot": {"capacity_blocks": 2}, "cold": {"path": cold_dir, "capacity": 0},
                                         "warm": {"capacity": "64MiB", "compression": mode}})
         bank = tiered_kv.CacheBank(model, config)
         out = model.generate(ids, cache=bank, attention_mask=torch.ones_like(ids), max_new_tokens=32,

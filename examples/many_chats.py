@@ -17,7 +17,8 @@ model, tokenizer = load_model()
 stop_ids = {tokenizer.eos_token_id}
 with tempfile.TemporaryDirectory() as cold_dir:
     # 12 hot blocks for four chats: at each turn the chats not speaking give way to the one that is
-    config = tiered_kv.load_config({"hot": {"capacity_blocks": 12}, "cold": {"path": cold_dir}})
+    config = tiered_kv.load_config({"hot": {"capacity_blocks": 12}, "warm": {"capacity": "64MiB"},
+                                    "cold": {"path": cold_dir, "capacity": "128MiB"}})
     store = tiered_kv.TierStore(config)
     chats = [{"bank": tiered_kv.CacheBank(model, config, store=store, cost_sensitivity=0.9 if i == 0 else 0.5),
               "seen": []} for i in range(len(TOPICS))]  # chat 0 pays for a tighter SLA: it stays hot longer

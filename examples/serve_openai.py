@@ -6,6 +6,9 @@ It starts `tiered-kv serve`'s app in a thread of this process on a free localhos
 `tiered-kv serve`, then point any OpenAI client at http://127.0.0.1:8000/v1). Clients send the whole
 conversation each time; the server reuses the stored prefix: `cached_tokens` counts it.
 Needs the serve extra and the client: pip install -e '.[serve]' openai
+(BackgroundServer and ChatEngine are what `tiered-kv serve` itself runs; tests and benchmarks use them
+the same way, but they are not part of the stable API: a script of your own should start the server
+with the command.)
 """
 import tempfile
 
@@ -18,7 +21,8 @@ from tiered_kv.serve.engine import ChatEngine
 
 model, tokenizer = load_model()
 with tempfile.TemporaryDirectory() as cold_dir:
-    config = tiered_kv.load_config({"hot": {"capacity_blocks": 16}, "cold": {"path": cold_dir}})
+    config = tiered_kv.load_config({"hot": {"capacity_blocks": 16}, "warm": {"capacity": "64MiB"},
+                                    "cold": {"path": cold_dir, "capacity": "128MiB"}})
     with BackgroundServer(ChatEngine(model, tokenizer, config, "SmolLM2-135M-Instruct")) as server:
         client = OpenAI(base_url=server.base_url, api_key="none")
         messages = [{"role": "user", "content": "Explain how a CPU cache works, briefly."}]

@@ -11,8 +11,10 @@ from tiered_kv.models import load_model
 
 model, tokenizer = load_model()  # the bundled SmolLM2-135M-Instruct, offline
 with tempfile.TemporaryDirectory() as cold_dir:
-    # a small hot tier (2 MiB: 2 blocks of SmolLM2's fp32 KV) so the prompt spills into warm
-    config = tiered_kv.load_config({"hot": {"capacity": "2MiB"}, "cold": {"path": cold_dir}})
+    # a small hot tier (2 MiB: 2 blocks of SmolLM2's fp32 KV) so the prompt spills into warm. A key
+    # left out takes the library's default (warm 2 GiB, cold 8 GiB), not configs/default.yaml's: say them
+    config = tiered_kv.load_config({"hot": {"capacity": "2MiB"}, "warm": {"capacity": "64MiB"},
+                                    "cold": {"path": cold_dir, "capacity": 0}})
     bank = tiered_kv.CacheBank(model, config)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three uses of a cache."}],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--no-hooks", action="store_true",
                       help="run the bank as a plain Cache (no tiered_kv.hooks paged attention), to compare")
     chat.add_argument("--hooks-mode", choices=("auto", "exact", "fast", "merge"), default="auto",
-                      help="tiered_kv.hooks mode: exact (bitwise sdpa), fast (exact without the contiguous copy on CUDA), "
+                      help="tiered_kv.hooks mode: exact (bitwise sdpa), fast (the former name of merge), "
                            "merge (each run of blocks read in place, partials merged by LSE), or auto (default: merge "
                            "when hot is on the CPU, exact on a GPU)")
     chat.add_argument("--metrics-port", type=_port, default=None, metavar="N",

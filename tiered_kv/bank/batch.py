@@ -6,7 +6,7 @@ Row i of the batch is bank i: its own history, its own length, its own position.
 padded and no row's KV is copied next to another's:
 
 - the forward hooks hand each bank its own row of the ids and positions, so every row's tokens
-  are verified and published by its own bank (DESIGN.md invariant 2);
+  are verified and published by its own bank (docs/design.md, invariant 2);
 - `update()` hands each row's new K/V to its bank (a prepared step of its own, opened at layer 0:
   invariant 9) and leaves the rows' K/V for attention in the kwargs the model passes on
   (`BATCH_KEY`); the hooks' attention (tiered_kv.hooks, installed for the batch when the model

@@ -4,7 +4,7 @@ A bank built from a model (`CacheBank(model, cfg)`) installs these once per mode
 forward the pre-hook finds the cache in the call (`cache=` or the deprecated
 `past_key_values=`) and, when it is a bank, hands it the `input_ids`, `attention_mask` and
 `position_ids` of this call: the ids of the tokens whose KV the bank is about to store. This is
-what makes token identity verified rather than assumed (DESIGN.md invariant 2). The post-hook
+what makes token identity verified rather than assumed (docs/design.md, invariant 2). The post-hook
 runs even when the forward raised (`always_call`), so a bank rolls a failed step back at once.
 The hooks hold no reference to any bank: the cache travels in each call's arguments. A BankBatch
 (batch.py) hands each of its banks its own row.

@@ -1,5 +1,5 @@
 """What a forward's inputs say about the tokens a step stores: their ids, and whether the mask and
-the positions show them continuing the bank's own tokens (verified: DESIGN.md invariant 2).
+the positions show them continuing the bank's own tokens (verified: docs/design.md, invariant 2).
 
 Everything here is tensor ops on the inputs' device, with no host sync: a GPU step's verdict and
 ids are copied to the host after the forward was queued and read once the copy landed

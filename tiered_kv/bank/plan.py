@@ -1,6 +1,6 @@
 """A prepared step: what every layer of one forward pass does, decided once before layer 0.
 
-DESIGN.md invariant 9. The bank opens a step's lease before layer 0 (the model's forward pre-hook
+invariant 9 (docs/design.md). The bank opens a step's lease before layer 0 (the model's forward pre-hook
 runs there) and builds a StepPlan from it: where the new tokens' K/V go and what each layer reads,
 as index tensors or views on the compute device. A layer is then a fixed handful of tensor ops,
 with no Python per block, no lock and no host sync:

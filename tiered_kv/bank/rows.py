@@ -9,7 +9,7 @@ bank keeps one Row:
   (with a model, every computed token; from a config alone, only what attach() was told);
 - `num_verified_tokens`: how many leading ids were seen computed by the bank's own model with
   standard positions (no padding, no custom position ids). Only blocks wholly inside this
-  verified prefix may be published to the store's shared index (DESIGN.md invariant 2);
+  verified prefix may be published to the store's shared index (docs/design.md, invariant 2);
 - `keys`: the chain key of each full block of the known prefix (identity.chain_keys), extended
   incrementally so a decode step hashes only blocks that just became full.
 """

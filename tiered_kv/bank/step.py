@@ -1,4 +1,4 @@
-"""One forward pass of a bank, made atomic (DESIGN.md invariant 3).
+"""One forward pass of a bank, made atomic (docs/design.md, invariant 3).
 
 Layer 0 opens a `Step` and asks the store for a lease on everything the pass reads and writes
 (`TierStore.open_step`: copy-on-write of a shared tail, new blocks, the history brought up on a

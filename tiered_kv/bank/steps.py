@@ -1,4 +1,4 @@
-"""The step machine: how a bank runs one forward pass, begin to commit (DESIGN.md invariants 3, 9).
+"""The step machine: how a bank runs one forward pass, begin to commit (docs/design.md, invariants 3 and 9).
 
 Layer 0 opens a Step (step.py) and the store's lease for it (store/leases.py: the bank never
 takes the store's lock), and prepares its plan (plan.py): what every layer writes and reads. The

@@ -2,7 +2,7 @@
 lossy modes are held to, and the calibration that measures them (tiered_kv/compression/calibration.py).
 
     compression:
-      quality_floor: 0.99        # next-token argmax agreement with the uncompressed cache, in (0, 1]
+      quality_floor: 0.99        # expected next-token agreement with the uncompressed cache, in (0, 1]
       calibration_text: mixed    # a text shipped in the package (tiered_kv/compression/texts/NAME.txt)
       calibration_tokens: 512    # how much of it the calibration reads at most (256..8192)
       check_explicit: true       # an explicit lossy mode is measured too, and warns below the floor
@@ -44,8 +44,8 @@ class CompressionConfig:
         floor = self.quality_floor
         if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not (0.0 < floor <= 1.0):
             raise _error("compression.quality_floor", floor,
-                         "a number in (0, 1]: the share of positions whose next-token argmax must match the "
-                         "uncompressed cache's (e.g. 0.99)")
+                         "a number in (0, 1]: the next-token agreement with the uncompressed cache a mode must be "
+                         "expected to keep (e.g. 0.99)")
         object.__setattr__(self, "quality_floor", float(floor))
         texts = shipped_texts()
         if not isinstance(self.calibration_text, str) or self.calibration_text not in texts:

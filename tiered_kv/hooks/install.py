@@ -63,8 +63,10 @@ def install(model, bank, mode: str = "exact") -> None:
     logits bitwise equal to sdpa over a DynamicCache. The same as no hooks.
     mode="merge": on CUDA, contiguous history goes to SDPA as a strided view (no copy), and a
     decode step whose blocks lie in hot and page-locked warm runs the native paged decode kernel
-    over them where they lie; equal to exact within ~1e-6 relative, not bitwise (docs/guides/hooks.md,
-    "Hooks"). On CPU it is exact. ("fast", a mode of earlier releases, is merge now.)
+    over them where they lie; on a CPU store a one-token decode step attends to each run of the slab
+    (hot, then paged warm) in place and merges the partial attentions by log-sum-exp. Equal to exact
+    within ~1e-5 relative, not bitwise (docs/guides/hooks.md). ("fast", a mode of earlier releases,
+    is merge now.)
     """
     if mode in RENAMED_MODES:
         log_once(log, logging.INFO, "tiered_kv.hooks: mode %r is %r now", mode, RENAMED_MODES[mode])

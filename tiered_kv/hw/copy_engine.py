@@ -11,7 +11,7 @@ complete:
 - `ThreadCopyEngine`: queues the unit; the engine's own thread runs units later, in submission
   order (waiting for the unit's fences, then `delay_us`). Its events behave as CUDA events do:
   `done()` is False until the unit ran. This is how a CPU run exercises the GPU's rules
-  (DESIGN.md, invariant 7): memory a copy still reads or writes is in use until its event
+  (docs/design.md, invariant 7): memory a copy still reads or writes is in use until its event
   passed, whatever the submitting thread did meanwhile.
 - `CudaCopyEngine`: runs the unit on the caller's thread with the engine's side stream current;
   the side stream first waits on the fences' events (on the device: the host does not wait), so

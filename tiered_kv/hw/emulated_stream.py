@@ -1,4 +1,4 @@
-"""A compute stream on CPU: what lets a test see the GPU's stream-order rules (DESIGN.md, invariant 7).
+"""A compute stream on CPU: what lets a test see the GPU's stream-order rules (docs/design.md, invariant 7).
 
 On a GPU a forward pass returns to Python long before its kernels ran: the K/V it writes and the
 slots its attention reads are still in use on the stream it ran on. On CPU compute is synchronous,

@@ -1,5 +1,5 @@
 """What `Transfers.complete` does with a batch whose copies are done (store lock held): commit what
-copied without error, give back what did not, count and report (DESIGN.md, invariant 7).
+copied without error, give back what did not, count and report (docs/design.md, invariant 7).
 
 Per group of moves (one direction), by arrays: the blocks still in flight, not cancelled and not
 corrupt are committed with one index update (`BlockIndex.move_many`), their source slots freed

@@ -1,5 +1,5 @@
 """Step fences: a step's slots are free of compute only once the stream its forward ran on passed
-the step's completion fence (DESIGN.md, invariants 4, 7, 8; issue 34).
+the step's completion fence (docs/design.md, invariants 4, 7, 8; issue 34).
 
 A lease ends when Python returns from the forward (leases.py). On a GPU the forward's kernels
 may still be queued then, on whatever stream it ran on (`with torch.cuda.stream(s):

@@ -1,4 +1,4 @@
-"""Step leases: what a forward pass holds instead of the store's lock (DESIGN.md, invariant 8).
+"""Step leases: what a forward pass holds instead of the store's lock (docs/design.md, invariant 8).
 
 `TierStore.open_step(request)` (opening.py) returns a `StepLease` once every block the step
 reads or writes is pinned, in place and mapped to tiers and slots. The lease's reads and writes

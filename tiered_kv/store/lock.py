@@ -1,4 +1,4 @@
-"""The store's one lock (DESIGN.md, invariants 4 and 8), which never leaves the store.
+"""The store's one lock (docs/design.md, invariants 4 and 8), which never leaves the store.
 
 Planning, reserving, committing and pinning run under it; nothing waits inside it: copies, file
 I/O, network round trips and waits for events happen between two short critical sections. It is

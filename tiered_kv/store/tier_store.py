@@ -19,7 +19,7 @@ lock, the transfers, ...; none gets the store) and delegates to them (docs/desig
                  copies of blocks above cold (durable_copies.py) and their backups (write_behind.py)
   reporting.py   stats() and the cheap counters (consistency.py: the self-check)
 
-Concurrency (DESIGN.md, invariants 4, 7, 8): one lock per store (`lock`, which only the store's
+Concurrency (docs/design.md, invariants 4, 7, 8): one lock per store (`lock`, which only the store's
 components take: no bank, hook or tool does), held to plan, reserve, commit and pin, never while
 anything waits — copies, file and network I/O and waits for copy events happen between critical
 sections. A store is not copied by `copy.deepcopy`: copies of banks share it.

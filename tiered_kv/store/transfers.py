@@ -1,5 +1,5 @@
 """Transfers: the one path by which bytes move between tiers, and the only code that frees a slot
-after a copy (DESIGN.md, invariant 7; docs/design.md, "A move").
+after a copy (docs/design.md, invariant 7; docs/design.md, "A move").
 
 Every move — on demand for a step, in the background, compaction, remote fetch and the remote
 writer's reads — is a `TransferBatch` that goes

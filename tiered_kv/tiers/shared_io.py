@@ -1,6 +1,6 @@
 """What lets several threads use one tier's file at once: an I/O guard and a pool of scratch buffers.
 
-Steps read and write their pinned blocks without the store's lock (DESIGN.md, invariant 8), the
+Steps read and write their pinned blocks without the store's lock (docs/design.md, invariant 8), the
 copy engine moves other blocks meanwhile and the durable writer writes headers: a tier whose
 file several threads use needs
 
