@@ -105,14 +105,19 @@ class _Ids:
         return type("Out", (), {"input_ids": tokens_of(self.model, None, text, self.count, seed=len(text))})()
 
 
+def _sparse_run(model, tokenizer, args, text: str, positions: int, tag: str, **placement) -> tuple[str, dict]:
+    """measure_sparse on one of TEXTS (seeded ids for the tiny model), printed; (its name, its figures)."""
+    tok = tokenizer if tokenizer is not None else _Ids(model, args.context + positions + 1)
+    report = measure_sparse(model, tok, text_of(text) if tokenizer is not None else text, args.budget, args.context,
+                            positions, args.hot_share, text_name=text, **placement)
+    name = report.below_hot if placement else text
+    figures = {**report.to_dict(), "speedup_vs_exact": report.step_ms_exact / report.step_ms_sparse}
+    print(f"[{tag}] {name}: {json.dumps(figures)}", flush=True)
+    return name, figures
+
+
 def section_quality(model, tokenizer, args, tag: str = "quality") -> dict:
-    out = {}
-    for name in TEXTS:
-        tok = tokenizer if tokenizer is not None else _Ids(model, args.context + args.positions + 1)
-        report = measure_sparse(model, tok, text_of(name) if tokenizer is not None else name, args.budget,
-                                args.context, args.positions, args.hot_share, text_name=name)
-        out[name] = {**report.to_dict(), "speedup_vs_exact": report.step_ms_exact / report.step_ms_sparse}
-        print(f"[{tag}] {name}: {json.dumps(out[name])}", flush=True)
+    out = dict(_sparse_run(model, tokenizer, args, name, args.positions, tag) for name in TEXTS)
     worst = min(r["argmax_agreement"] for r in out.values())
     out["summary"] = {"worst_agreement": worst, "worst_ppl_ratio": max(r["perplexity_ratio"] for r in out.values()
                                                                        if isinstance(r, dict) and "text" in r),
@@ -151,16 +156,8 @@ SPILLS = (("warm", "none"), ("warm", "int8"), ("cold", "none"), ("cold", "int8")
 
 
 def section_spill(model, tokenizer, args) -> dict:
-    out = {}
-    for tier, compression in SPILLS:
-        tok = tokenizer if tokenizer is not None else _Ids(model, args.context + args.spill_positions + 1)
-        report = measure_sparse(model, tok, text_of("prose") if tokenizer is not None else "prose", args.budget,
-                                args.context, args.spill_positions, args.hot_share, text_name="prose",
-                                tier=tier, compression=compression)
-        name = report.below_hot
-        out[name] = {**report.to_dict(), "speedup_vs_exact": report.step_ms_exact / report.step_ms_sparse}
-        print(f"[spill] {name}: {json.dumps(out[name])}", flush=True)
-    return out
+    return dict(_sparse_run(model, tokenizer, args, "prose", args.spill_positions, "spill", tier=tier,
+                            compression=compression) for tier, compression in SPILLS)
 
 
 def _trace_config(args, total_blocks: int, workdir: str, sparse: bool, weight: float) -> dict:

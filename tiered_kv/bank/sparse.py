@@ -123,13 +123,13 @@ class SparseStep:
     """One sparse decode step: its row's blocks and what it read (module docstring)."""
 
     def __init__(self, summaries: KeySummaries, sparse_config, mapper, row, report: dict, probe=None, slab=None):
-        self.summaries, self.config, self.mapper, self.row, self.report = summaries, sparse_config, mapper, row, report
+        self.summaries, self.config, self.mapper, self.report = summaries, sparse_config, mapper, report
         self.probe = probe  # a sampled step's (attention_stats.py): it sees the tokens read
-        tiers = np.asarray(row.tiers)
+        tiers, self.slots = np.asarray(row.tiers), np.asarray(row.slots)
         self.num_blocks, self.num_tokens = len(tiers), row.num_tokens
         # every block on the device slab (hot, and paged warm on a CPU): one gather of whole blocks per
         # layer; else (cold, compressed or records-layout warm) through the lease's token runs
-        self.slab_block_positions = slab.block_positions(tiers, np.asarray(row.slots), row.num_tokens) \
+        self.slab_block_positions = slab.block_positions(tiers, self.slots, row.num_tokens) \
             if slab is not None else None
         self.device_slab = slab if self.slab_block_positions is not None else None  # (None: some block is off it)
         forced = np.zeros(len(tiers), dtype=bool)
@@ -138,15 +138,15 @@ class SparseStep:
         self.forced, self.tiers = forced, tiers
         self.hot = tiers == HOT
         self.candidates = np.flatnonzero(~forced & ~self.hot)  # the blocks below hot ranked by their bound
-        self.keep = sparse_config.blocks(int((~self.hot).sum()))
+        self.below_hot = int((~self.hot).sum())
+        self.keep = sparse_config.blocks(self.below_hot)
         self.reads_all = self.keep >= len(self.candidates)  # (a budget of every block below hot)
         self.fixed = np.flatnonzero(forced | self.hot)  # read whatever the ranking says
         # what a ranked layer reads, known before it ranks: no value of the ranking goes to the host
         self.num_read = len(self.fixed) + min(self.keep, len(self.candidates))
         self.read_below_hot = int((forced & ~self.hot).sum()) + min(self.keep, len(self.candidates))
         self.tail_fixed = bool(len(tiers)) and (forced[-1] or self.hot[-1])
-        self._candidates_t: torch.Tensor | None = None
-        self._device: dict | None = None  # the index tensors of the slab path, on the query's device
+        self._device: dict | None = None  # the step's index tensors, on the query's device (_indices)
         self._mask_checked, self._mask_visible = _UNSEEN, True
         report["steps"] += 1
 
@@ -159,12 +159,20 @@ class SparseStep:
         chosen[self.candidates[top]] = True
         return np.flatnonzero(chosen)
 
+    def _indices(self, device: torch.device) -> dict:
+        """The step's block indices as tensors on `device`, made once: fixed, candidates, slab slots."""
+        if self._device is None or self._device["fixed"].device != device:
+            as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+            self._device = {"fixed": as_tensor(self.fixed), "candidates": as_tensor(self.candidates),
+                            "slots": as_tensor(self.slab_block_positions)
+                            if self.slab_block_positions is not None else None}
+        return self._device
+
     def scores(self, layer: int, query: torch.Tensor) -> torch.Tensor:
         """Per candidate block, the bound on its best query head's score (higher: read first)."""
-        if self._candidates_t is None or self._candidates_t.device != query.device:
-            self._candidates_t = torch.from_numpy(self.candidates).to(query.device)
-        low = self.summaries.low[layer].index_select(0, self._candidates_t).transpose(0, 1)  # [H, c, D]
-        high = self.summaries.high[layer].index_select(0, self._candidates_t).transpose(0, 1)
+        candidates = self._indices(query.device)["candidates"]
+        low = self.summaries.low[layer].index_select(0, candidates).transpose(0, 1)  # [H, c, D]
+        high = self.summaries.high[layer].index_select(0, candidates).transpose(0, 1)
         q = query[0, :, -1, :].float().view(low.shape[0], -1, low.shape[2]).transpose(1, 2)  # [H, D, g]
         # sum_c max(q_c lo_c, q_c hi_c) = q+ . hi + q- . lo: two small matmuls per layer
         bound = torch.matmul(high, q.clamp(min=0)).add_(torch.matmul(low, q.clamp(max=0)))  # [H, c, g]
@@ -172,30 +180,30 @@ class SparseStep:
 
     def device_blocks(self, layer: int, query: torch.Tensor) -> torch.Tensor:
         """`selected` as a tensor on the query's device, computed there: no host sync (invariant 9)."""
-        if self._device is None or self._device["fixed"].device != query.device:
-            as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(query.device)  # noqa: E731
-            self._device = {"fixed": as_tensor(self.fixed), "candidates": as_tensor(self.candidates),
-                            "slots": as_tensor(self.slab_block_positions)
-                            if self.slab_block_positions is not None else None}
+        indices = self._indices(query.device)
         top = torch.topk(self.scores(layer, query), min(self.keep, len(self.candidates))).indices
-        return torch.cat([self._device["fixed"], self._device["candidates"][top]]).sort().values
+        return torch.cat([indices["fixed"], indices["candidates"][top]]).sort().values
+
+    def _slab_blocks(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V `[1, H, len(slots) x bs, D]` of whole blocks at slab `slots`, in order."""
+        bs, flat = self.summaries.block_size, self.device_slab.flat
+        heads, dim = flat.shape[1], flat.shape[3]
+        by_block = flat.view(flat.shape[0], heads, -1, bs * dim)
+        return (by_block[2 * layer].index_select(1, slots).view(1, heads, -1, dim),
+                by_block[2 * layer + 1].index_select(1, slots).view(1, heads, -1, dim))
 
     def _attend_on_slab(self, module, query: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
         """A ranked layer over the device slab: whole blocks gathered by device indices, position order."""
         blocks = self.device_blocks(layer, query)
-        bs, flat = self.summaries.block_size, self.device_slab.flat
-        heads, dim = flat.shape[1], flat.shape[3]
-        slots = self._device["slots"][blocks]
-        by_block = flat.view(flat.shape[0], heads, -1, bs * dim)
-        keys = by_block[2 * layer].index_select(1, slots).view(1, heads, -1, dim)
-        values = by_block[2 * layer + 1].index_select(1, slots).view(1, heads, -1, dim)
+        bs = self.summaries.block_size
+        keys, values = self._slab_blocks(layer, self._device["slots"][blocks])
         mask, unwritten = None, self.num_blocks * bs - self.num_tokens  # the tail block's empty slots
         if unwritten and self.tail_fixed:  # the tail sorts last: cut its empty slots off
             keys, values = keys[:, :, :self.num_read * bs - unwritten], values[:, :, :self.num_read * bs - unwritten]
         elif unwritten:  # (the tail may or may not be read: mask its empty slots instead)
             positions = (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)).reshape(1, 1, 1, -1)
             mask = positions < self.num_tokens
-        self.report["blocks_below_hot"] += int((~self.hot).sum())
+        self.report["blocks_below_hot"] += self.below_hot
         self.report["blocks_read_below_hot"] += self.read_below_hot
         if self.probe is not None:  # (a sampled layer; with the mask, its one host read of the step's layer)
             seen = keys if mask is None else keys[:, :, :int(mask.sum())]
@@ -209,24 +217,19 @@ class SparseStep:
         if self._mask_visible and not self.reads_all and self.device_slab is not None:
             return self._attend_on_slab(module, query, layer, scale)
         blocks = self.selected(layer, query) if self._mask_visible else np.arange(self.num_blocks)
-        bs, row = self.summaries.block_size, self.row
+        bs = self.summaries.block_size
         positions = (blocks[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)
         positions = positions[positions < self.num_tokens]
-        if self.slab_block_positions is not None:  # whole blocks (bs x D elements each), the tail's extra cut off
-            slots = torch.from_numpy(self.slab_block_positions[blocks]).to(query.device)
-            flat = self.device_slab.flat
-            heads, dim = flat.shape[1], flat.shape[3]
-            by_block = flat.view(flat.shape[0], heads, -1, bs * dim)
-            keys = by_block[2 * layer].index_select(1, slots).view(1, heads, -1, dim)[:, :, :len(positions)]
-            values = by_block[2 * layer + 1].index_select(1, slots).view(1, heads, -1, dim)[:, :, :len(positions)]
+        if self.device_slab is not None:  # whole blocks (bs x D elements each), the tail's extra cut off
+            keys, values = self._slab_blocks(layer, torch.from_numpy(self.slab_block_positions[blocks]).to(query.device))
+            keys, values = keys[:, :, :len(positions)], values[:, :, :len(positions)]
         else:
             token_blocks = positions // bs
-            runs = self.mapper.group_by_tier(np.asarray(row.tiers)[token_blocks], np.asarray(row.slots)[token_blocks],
-                                             positions % bs)
+            runs = self.mapper.group_by_tier(self.tiers[token_blocks], self.slots[token_blocks], positions % bs)
             with plan.guard():
                 kv = plan.lease.read_runs(layer, runs, len(positions))
             keys, values = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
-        self.report["blocks_below_hot"] += int((~self.hot).sum())
+        self.report["blocks_below_hot"] += self.below_hot
         self.report["blocks_read_below_hot"] += int((~self.hot[blocks]).sum())
         if self.probe is not None:
             self.probe.observe(layer, query, keys, scale, torch.from_numpy(blocks).to(query.device))

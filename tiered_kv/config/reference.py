@@ -61,13 +61,16 @@ def _lookup(tree: dict, path: list[str]) -> Any:
     return tree
 
 
-def _field_type(owner: type, name: str) -> str:
-    if name == "capacity":
-        return _SIZE_TYPE
+def _field(owner: type, name: str) -> dataclasses.Field:
+    """The dataclass field behind YAML key `name` of `owner`."""
     for field in dataclasses.fields(owner):
         if field.name == _FIELD_OF.get(name, name):
-            return str(field.type)
+            return field
     raise KeyError(f"{owner.__name__} has no field {name!r}")
+
+
+def _field_type(owner: type, name: str) -> str:
+    return _SIZE_TYPE if name == "capacity" else str(_field(owner, name).type)
 
 
 def _key_paths() -> list[tuple[list[str], type]]:
@@ -102,10 +105,8 @@ def rows() -> list[ConfigKey]:
 
 def _declared_default(owner: type, name: str) -> Any:
     """A str field's default as declared ("~/.cache/..."; the config holds it expanded), else MISSING."""
-    for field in dataclasses.fields(owner):
-        if field.name == name and isinstance(field.default, str):
-            return field.default
-    return dataclasses.MISSING
+    default = _field(owner, name).default
+    return default if isinstance(default, str) else dataclasses.MISSING
 
 
 def _shown(value: Any, key: str) -> str:
